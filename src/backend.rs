@@ -1,0 +1,202 @@
+//! The store behind the locks: the [`Backend`] trait and its implementations.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use event_listener::{Event, EventListener};
+
+use crate::error::Result;
+use crate::token::{LeaseKey, Token};
+
+pub(crate) mod memory;
+pub(crate) mod redis;
+
+/// The outcome of one acquire attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Acquire {
+    /// The lease is ours (newly, or already ours: a replayed attempt with the same token).
+    Acquired {
+        /// Strictly greater than every token handed out before for this key.
+        fencing_token: u64,
+        /// How long the lease is guaranteed, counted from the moment the attempt started
+        /// (TTL minus clock-drift margin and, for quorum backends, the time the round took).
+        validity: Duration,
+    },
+    /// Someone else holds it.
+    Held {
+        /// The holder's remaining TTL, if the store knows it.
+        remaining: Option<Duration>,
+    },
+}
+
+/// One held lease, as the watchdog hands it to [`Backend::extend`].
+#[derive(Clone, Copy, Debug)]
+pub struct Lease<'a> {
+    /// Where it lives.
+    pub key: &'a LeaseKey,
+    /// Who owns it.
+    pub token: &'a Token,
+    /// The TTL to set.
+    pub ttl: Duration,
+}
+
+/// A store that can hold leases. Implemented by [`RedisBackend`](crate::RedisBackend) and
+/// [`MemoryBackend`](crate::MemoryBackend); the lock, guard and watchdog layers talk to the
+/// store only through it.
+///
+/// # Contract
+///
+/// Every operation is atomic on the store and **idempotent for the same token**: a client
+/// may re-send a command after a reconnect even though the store already ran it.
+///
+/// - `try_acquire` grants the lease if the key is free or already holds `token`, and mints a
+///   fencing token greater than any before it for that key; otherwise it reports `Held`.
+/// - `extend` sets each lease's TTL only where the key still holds that lease's token.
+/// - `release` deletes the key only if it holds `token` (compare-and-delete), and wakes the
+///   key's subscribers.
+/// - `subscribe` returns once a release of the key will wake the subscription.
+///
+/// ```
+/// use redlease::{Backend, MemoryBackend, LeaseKey, Token, Acquire};
+/// use std::time::Duration;
+/// # futures::executor::block_on(async {
+/// let b = MemoryBackend::new();
+/// let key = LeaseKey::new("t:", "job");
+/// let (t1, t2) = (Token::random(), Token::random());
+/// let ttl = Duration::from_secs(5);
+/// assert!(matches!(b.try_acquire(&key, &t1, ttl, None).await?, Acquire::Acquired { .. }));
+/// assert!(matches!(b.try_acquire(&key, &t2, ttl, None).await?, Acquire::Held { .. }));
+/// assert!(!b.release(&key, &t2).await?);   // not t2's lease: untouched
+/// assert!(b.release(&key, &t1).await?);
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+#[async_trait]
+pub trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// One atomic attempt. `waiting` tells the store the caller will wait up to that long for
+    /// a release and wants to be woken (the Redis backend only publishes when someone waits).
+    async fn try_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Option<Duration>,
+    ) -> Result<Acquire>;
+
+    /// Extends many leases in as few round trips as the store allows. Returns, per lease in
+    /// order, `Some(validity)` (counted from the call's start) or `None` if the key no longer
+    /// holds that token.
+    async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>>;
+
+    /// Compare-and-delete. `true` if the lease was ours and is gone now (also when a replayed
+    /// release finds it already released by the same token).
+    async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool>;
+
+    /// A wake-up source for releases of `key`.
+    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription>;
+}
+
+/// The clock-drift margin taken off a lease's TTL: 1 % plus 2 ms (the Redlock paper's
+/// figures). It covers the rate difference between the client's and the server's clocks.
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(redlease::clock_drift(Duration::from_secs(10)), Duration::from_millis(102));
+/// ```
+pub fn clock_drift(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
+}
+
+/// A registration for release wake-ups of one key, returned by [`Backend::subscribe`].
+/// Dropping it unsubscribes.
+///
+/// ```
+/// use std::sync::Arc;
+/// use event_listener::Event;
+/// # futures::executor::block_on(async {
+/// let event = Arc::new(Event::new());
+/// let sub = redlease::Subscription::new(event.clone());
+/// let woken = sub.listen();
+/// event.notify(usize::MAX);
+/// woken.await;
+/// # });
+/// ```
+pub struct Subscription {
+    events: Vec<Arc<Event>>,
+    _guards: Vec<Box<dyn Send + Sync>>,
+}
+
+impl fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Subscription")
+            .field("sources", &self.events.len())
+            .finish()
+    }
+}
+
+impl Subscription {
+    /// A subscription woken by `event`.
+    pub fn new(event: Arc<Event>) -> Self {
+        Subscription {
+            events: vec![event],
+            _guards: Vec::new(),
+        }
+    }
+
+    /// Keeps `guard` alive as long as the subscription (its `Drop` can unsubscribe).
+    pub fn with_guard(mut self, guard: impl Send + Sync + 'static) -> Self {
+        self._guards.push(Box::new(guard));
+        self
+    }
+
+    /// One subscription woken by any of `subs` (for backends composed of several stores).
+    pub fn merge(subs: impl IntoIterator<Item = Subscription>) -> Self {
+        let mut merged = Subscription {
+            events: Vec::new(),
+            _guards: Vec::new(),
+        };
+        for s in subs {
+            merged.events.extend(s.events);
+            merged._guards.extend(s._guards);
+        }
+        merged
+    }
+
+    /// A future that resolves at the next wake-up after this call. Arm it *before* checking
+    /// the lock, so a release in between is not missed.
+    pub fn listen(&self) -> Released {
+        Released {
+            listeners: self.events.iter().map(|e| e.listen()).collect(),
+        }
+    }
+}
+
+/// Resolves when the subscribed key is released (see [`Subscription::listen`]).
+#[must_use = "futures do nothing unless awaited"]
+pub struct Released {
+    listeners: Vec<EventListener>,
+}
+
+impl fmt::Debug for Released {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Released").finish_non_exhaustive()
+    }
+}
+
+impl Future for Released {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        for l in self.listeners.iter_mut() {
+            if Pin::new(l).poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+        }
+        Poll::Pending
+    }
+}

@@ -1,0 +1,146 @@
+//! `MemoryBackend`: leases in this process, with the same semantics as Redis.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use event_listener::Event;
+
+use crate::backend::{Acquire, Backend, Lease, Subscription};
+use crate::error::Result;
+use crate::token::{LeaseKey, Token};
+
+/// Leases held in this process: for tests, and for single-process apps that want the same
+/// API (guards, watchdog, fencing tokens, waiting) without a server.
+///
+/// Clones share the same store. Expiry uses the monotonic clock; a release wakes waiters
+/// through an in-process notify.
+///
+/// ```
+/// use redlease::{LockManager, MemoryBackend};
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::new(MemoryBackend::new());
+/// let guard = locks.lock("report").acquire().await?;
+/// assert!(locks.lock("report").try_acquire().await?.is_none());
+/// guard.release().await?;
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct MemoryBackend {
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    leases: HashMap<LeaseKey, (Token, Instant)>,
+    fences: HashMap<LeaseKey, u64>,
+    events: HashMap<LeaseKey, Weak<Event>>,
+    ops: u64,
+}
+
+impl State {
+    /// Drops expired leases and dead subscriptions now and then (amortised O(1)).
+    fn sweep(&mut self, now: Instant) {
+        self.ops += 1;
+        if self.ops % 1024 == 0 {
+            self.leases.retain(|_, (_, exp)| *exp > now);
+            self.events.retain(|_, e| e.strong_count() > 0);
+        }
+    }
+
+    fn holder(&self, key: &LeaseKey, now: Instant) -> Option<&(Token, Instant)> {
+        self.leases.get(key).filter(|(_, exp)| *exp > now)
+    }
+
+    fn wake(&self, key: &LeaseKey) {
+        if let Some(event) = self.events.get(key).and_then(Weak::upgrade) {
+            event.notify(usize::MAX);
+        }
+    }
+}
+
+impl MemoryBackend {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding this lock cannot leave the maps inconsistent (every update
+        // is a single insert/remove), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[async_trait]
+impl Backend for MemoryBackend {
+    async fn try_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        _waiting: Option<Duration>,
+    ) -> Result<Acquire> {
+        let now = Instant::now();
+        let mut st = self.state();
+        st.sweep(now);
+        match st.holder(key, now) {
+            Some((holder, _)) if holder != token => {
+                let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
+                Ok(Acquire::Held { remaining })
+            }
+            held => {
+                let replay = held.is_some();
+                st.leases.insert(key.clone(), (token.clone(), now + ttl));
+                let fence = st.fences.entry(key.clone()).or_insert(0);
+                if !replay {
+                    *fence += 1;
+                }
+                Ok(Acquire::Acquired {
+                    fencing_token: *fence,
+                    validity: ttl,
+                })
+            }
+        }
+    }
+
+    async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
+        let now = Instant::now();
+        let mut st = self.state();
+        Ok(leases
+            .iter()
+            .map(|l| match st.leases.get_mut(l.key) {
+                Some((t, exp)) if t == l.token && *exp > now => {
+                    *exp = now + l.ttl;
+                    Some(l.ttl)
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
+    async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+        let now = Instant::now();
+        let mut st = self.state();
+        if st.holder(key, now).is_some_and(|(t, _)| t == token) {
+            st.leases.remove(key);
+            st.wake(key);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
+        let mut st = self.state();
+        let event = match st.events.get(key).and_then(Weak::upgrade) {
+            Some(e) => e,
+            None => {
+                let e = Arc::new(Event::new());
+                st.events.insert(key.clone(), Arc::downgrade(&e));
+                e
+            }
+        };
+        Ok(Subscription::new(event))
+    }
+}

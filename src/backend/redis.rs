@@ -1,0 +1,444 @@
+//! `RedisBackend`: leases on one Redis server (or a Redis Cluster), through fred.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use event_listener::Event;
+use fred::clients::SubscriberClient;
+use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
+use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
+use fred::types::config::UnresponsiveConfig;
+use fred::types::scripts::Script;
+use fred::types::{FromValue, Key, Value};
+
+use crate::backend::{clock_drift, Acquire, Backend, Lease, Subscription};
+use crate::error::{Error, Result};
+use crate::runtime::{compat, Rt};
+use crate::token::{LeaseKey, Token};
+
+/// Leases extended by one script call; bigger batches are split and the calls pipelined.
+const EXTEND_CHUNK: usize = 256;
+
+/// Connection settings for [`RedisBackend::connect_with`].
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = redlease::RedisOptions::new()
+///     .command_timeout(Duration::from_millis(500))
+///     .connect_timeout(Duration::from_secs(2));
+/// # let _ = opts;
+/// ```
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    command_timeout: Duration,
+    connect_timeout: Duration,
+    max_command_attempts: u32,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            command_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(5),
+            max_command_attempts: 3,
+        }
+    }
+}
+
+impl RedisOptions {
+    /// The defaults: command timeout 2 s, connect timeout 5 s, 3 attempts per command.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long one command may take before it fails with [`Error::Backend`] (a paused
+    /// server, a stalled network). A silent connection is also dropped and re-opened after
+    /// twice this. Defaults to 2 s.
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.command_timeout = d;
+        self
+    }
+
+    /// How long to wait for a connection (also the first one, in `connect`). Defaults to 5 s.
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    /// How many times a command is sent when the connection drops while it is in flight.
+    /// Every script is idempotent for the same token, so a re-sent command is harmless.
+    /// Defaults to 3.
+    pub fn max_command_attempts(mut self, n: u32) -> Self {
+        self.max_command_attempts = n;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.command_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(Error::invalid("Redis timeouts must be above zero"));
+        }
+        if self.max_command_attempts == 0 {
+            return Err(Error::invalid("max_command_attempts must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Leases on a Redis server (`redis://`, `rediss://` with the `tls` feature) or a Redis
+/// Cluster (`redis-cluster://`), through one multiplexed fred connection plus, once someone
+/// waits, one pub/sub connection.
+///
+/// Reconnects are automatic (unlimited, exponential back-off up to 1 s); every command has a
+/// timeout, so no call hangs on a dead or paused server. fred runs in a tokio context: the
+/// caller's tokio runtime, or a private one when the caller runs smol or async-std.
+///
+/// ```no_run
+/// # async fn demo() -> redlease::Result<()> {
+/// let backend = redlease::RedisBackend::connect("redis://127.0.0.1:6379").await?;
+/// let locks = redlease::LockManager::new(backend);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    scripts: Scripts,
+    pubsub: Arc<PubSub>,
+    clustered: bool,
+}
+
+struct Scripts {
+    acquire: Script,
+    extend: Script,
+    release: Script,
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("server", &self.inner.client.client_config().server)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let client = self.client.clone();
+        let subscriber = self.pubsub.client.clone();
+        Rt::current().spawn(async move {
+            let _ = compat(client.quit()).await;
+            let _ = compat(subscriber.quit()).await;
+        });
+    }
+}
+
+/// Checks the URL before fred sees it: fred would take `rediss://` without a TLS feature as
+/// plain TCP, and only log it.
+fn parse_url(url: &str) -> Result<Config> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(Error::invalid(
+            "Redis URL must look like redis://host:port (no scheme found)",
+        ));
+    };
+    match scheme {
+        "redis" | "redis-cluster" | "valkey" | "valkey-cluster" => {}
+        "rediss" | "rediss-cluster" | "valkeys" | "valkeys-cluster" => {
+            if !cfg!(feature = "tls") {
+                return Err(Error::invalid(format!(
+                    "{scheme}:// needs redlease's `tls` feature; without it the connection \
+                     would not be encrypted"
+                )));
+            }
+        }
+        other => {
+            return Err(Error::invalid(format!(
+                "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
+            )))
+        }
+    }
+    if rest.is_empty() || rest.starts_with(['/', ':', '?']) {
+        return Err(Error::invalid("Redis URL has no host"));
+    }
+    // fred's message names the part that failed; it does not echo credentials.
+    Config::from_url(url).map_err(|e| Error::invalid(format!("malformed Redis URL: {e}")))
+}
+
+impl RedisBackend {
+    /// Connects with default [`RedisOptions`]. Fails with [`Error::InvalidConfig`] for a bad
+    /// URL and [`Error::Backend`] when the server does not answer within the connect timeout.
+    ///
+    /// A URL's `user:password@` authenticates with ACL `AUTH`; `/N` selects database N.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects with the given options.
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
+        options.validate()?;
+        let config = parse_url(url)?;
+        let clustered = config.server.is_clustered();
+        let mut builder = Builder::from_config(config);
+        builder
+            .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
+            .with_performance_config(|p| p.default_command_timeout = options.command_timeout)
+            .with_connection_config(|c| {
+                c.connection_timeout = options.connect_timeout;
+                c.internal_command_timeout = options.connect_timeout;
+                c.max_command_attempts = options.max_command_attempts;
+                let silent = options.command_timeout * 2;
+                c.unresponsive = UnresponsiveConfig {
+                    max_timeout: Some(silent),
+                    interval: (silent / 4).max(Duration::from_millis(5)),
+                };
+            });
+        let client = builder.build().map_err(Error::backend)?;
+        let subscriber = builder
+            .build_subscriber_client()
+            .map_err(Error::backend)?;
+        compat(client.init()).await.map_err(Error::backend)?;
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                client,
+                scripts: Scripts {
+                    acquire: Script::from_lua(include_str!("redis/acquire.lua")),
+                    extend: Script::from_lua(include_str!("redis/extend.lua")),
+                    release: Script::from_lua(include_str!("redis/release.lua")),
+                },
+                pubsub: Arc::new(PubSub {
+                    client: subscriber,
+                    ops: futures::lock::Mutex::new(false),
+                    channels: Arc::default(),
+                }),
+                clustered,
+            }),
+        })
+    }
+
+    /// The fred client underneath, for commands of your own on the same connection.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    async fn eval<R: FromValue>(&self, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<R> {
+        compat(script.evalsha_with_reload(&self.inner.client, keys, args))
+            .await
+            .map_err(Error::backend)
+    }
+
+    fn lease_keys(key: &LeaseKey) -> Vec<Key> {
+        vec![
+            key.as_str().into(),
+            key.derived("fence").into(),
+            key.derived("waiters").into(),
+        ]
+    }
+
+    /// Splits a batch into script calls of at most [`EXTEND_CHUNK`] leases, per hash slot on
+    /// a cluster (a script may only touch one slot there).
+    fn chunks(&self, leases: &[Lease<'_>]) -> Vec<Vec<usize>> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        if self.inner.clustered {
+            let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
+            for (i, l) in leases.iter().enumerate() {
+                let slot = fred::util::redis_keyslot(l.key.as_str().as_bytes());
+                by_slot.entry(slot).or_default().push(i);
+            }
+            for idx in by_slot.into_values() {
+                groups.extend(idx.chunks(EXTEND_CHUNK).map(<[usize]>::to_vec));
+            }
+        } else {
+            let all: Vec<usize> = (0..leases.len()).collect();
+            groups.extend(all.chunks(EXTEND_CHUNK).map(<[usize]>::to_vec));
+        }
+        groups
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl Backend for RedisBackend {
+    async fn try_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Option<Duration>,
+    ) -> Result<Acquire> {
+        // The waiters flag outlives the waiter's next re-check, so a release in between
+        // still publishes.
+        let flag = waiting.map_or(0, |w| ms(w).saturating_mul(2).saturating_add(100));
+        let args: Vec<Value> = vec![token.as_str().into(), ms(ttl).into(), flag.into()];
+        let reply: Vec<i64> = self
+            .eval(&self.inner.scripts.acquire, Self::lease_keys(key), args)
+            .await?;
+        match reply[..] {
+            [1, fence] => Ok(Acquire::Acquired {
+                fencing_token: u64::try_from(fence).unwrap_or(0),
+                validity: ttl.saturating_sub(clock_drift(ttl)),
+            }),
+            [0, pttl] => Ok(Acquire::Held {
+                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+            }),
+            _ => Err(Error::backend(format!(
+                "unexpected reply from the acquire script: {reply:?}"
+            ))),
+        }
+    }
+
+    async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
+        let calls = self.chunks(leases).into_iter().map(|idx| async move {
+            let keys: Vec<Key> = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
+            let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2);
+            for &i in &idx {
+                args.push(leases[i].token.as_str().into());
+                args.push(ms(leases[i].ttl).into());
+            }
+            let reply: Vec<i64> = self.eval(&self.inner.scripts.extend, keys, args).await?;
+            if reply.len() != idx.len() {
+                return Err(Error::backend("extend script returned the wrong count"));
+            }
+            Ok::<_, Error>((idx, reply))
+        });
+        let mut out = vec![None; leases.len()];
+        for chunk in futures::future::join_all(calls).await {
+            let (idx, reply) = chunk?;
+            for (i, ok) in idx.into_iter().zip(reply) {
+                let ttl = leases[i].ttl;
+                out[i] = (ok == 1).then(|| ttl.saturating_sub(clock_drift(ttl)));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+        let args: Vec<Value> = vec![token.as_str().into(), key.derived("released").into()];
+        let n: i64 = self
+            .eval(&self.inner.scripts.release, Self::lease_keys(key), args)
+            .await?;
+        Ok(n == 1)
+    }
+
+    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
+        self.inner.pubsub.subscribe(key.derived("released")).await
+    }
+}
+
+/// Release wake-ups: one subscriber connection per backend, one SUBSCRIBE per channel with
+/// local waiters, reference-counted.
+struct PubSub {
+    client: SubscriberClient,
+    /// Serialises SUBSCRIBE/UNSUBSCRIBE so they reach the server in the order of the count
+    /// changes; `true` once the connection is up.
+    ops: futures::lock::Mutex<bool>,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+struct Channel {
+    event: Arc<Event>,
+    subscribers: usize,
+}
+
+fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<String, Channel>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl PubSub {
+    async fn start(&self) -> Result<()> {
+        compat(self.client.init()).await.map_err(Error::backend)?;
+        let channels = self.channels.clone();
+        compat(async {
+            drop(self.client.on_message(move |msg| {
+                if let Some(c) = lock_map(&channels).get(&*msg.channel) {
+                    c.event.notify(usize::MAX);
+                }
+                futures::future::ready(Ok(()))
+            }));
+            // Messages published while the connection was down are lost: wake every waiter
+            // to re-check at once instead of at its fallback timer.
+            let channels = self.channels.clone();
+            drop(self.client.on_reconnect(move |_| {
+                for c in lock_map(&channels).values() {
+                    c.event.notify(usize::MAX);
+                }
+                futures::future::ready(Ok(()))
+            }));
+            drop(self.client.manage_subscriptions());
+        })
+        .await;
+        Ok(())
+    }
+
+    async fn subscribe(self: &Arc<Self>, channel: String) -> Result<Subscription> {
+        let mut started = self.ops.lock().await;
+        if !*started {
+            self.start().await?;
+            *started = true;
+        }
+        let (event, first) = {
+            let mut map = lock_map(&self.channels);
+            let c = map.entry(channel.clone()).or_insert_with(|| Channel {
+                event: Arc::new(Event::new()),
+                subscribers: 0,
+            });
+            c.subscribers += 1;
+            (c.event.clone(), c.subscribers == 1)
+        };
+        if first {
+            if let Err(e) = compat(self.client.subscribe(channel.clone())).await {
+                self.forget(&channel);
+                return Err(Error::backend(e));
+            }
+        }
+        drop(started);
+        Ok(Subscription::new(event).with_guard(Unsubscribe {
+            pubsub: self.clone(),
+            channel: Some(channel),
+            rt: Rt::current(),
+        }))
+    }
+
+    /// One subscriber fewer; `true` if it was the last.
+    fn forget(&self, channel: &str) -> bool {
+        let mut map = lock_map(&self.channels);
+        match map.get_mut(channel) {
+            Some(c) if c.subscribers > 1 => {
+                c.subscribers -= 1;
+                false
+            }
+            Some(_) => {
+                map.remove(channel);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+struct Unsubscribe {
+    pubsub: Arc<PubSub>,
+    channel: Option<String>,
+    rt: Rt,
+}
+
+impl Drop for Unsubscribe {
+    fn drop(&mut self) {
+        let (Some(channel), pubsub) = (self.channel.take(), self.pubsub.clone()) else {
+            return;
+        };
+        self.rt.spawn(async move {
+            let _order = pubsub.ops.lock().await;
+            if pubsub.forget(&channel) {
+                let _ = compat(pubsub.client.unsubscribe(channel)).await;
+            }
+        });
+    }
+}

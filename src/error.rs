@@ -1,0 +1,67 @@
+//! The crate's one error type.
+
+use std::time::Duration;
+
+/// A boxed error from a backend, kept as the [`Error::Backend`] source.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with [`Error`] as the default error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in redlease.
+///
+/// Contention is not an error: [`Lock::try_acquire`](crate::Lock::try_acquire) returns
+/// `Ok(None)` when someone else holds the lock.
+///
+/// # Examples
+///
+/// ```
+/// use redlease::{Error, LockManager, LockOptions, MemoryBackend};
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::new(MemoryBackend::new());
+/// let err = locks.lock("").acquire().await.unwrap_err();
+/// assert!(matches!(err, Error::InvalidConfig(_)));
+/// # });
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Bad input: the message says what was wrong. Never retried.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// The wait for the lock ran past its time limit; no lease is left behind.
+    #[error("timed out after {waited:?} waiting for the lock")]
+    Timeout {
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The lease is no longer held: it expired, was lost (see
+    /// [`LockGuard::lost`](crate::LockGuard::lost)) or was released already.
+    #[error("the lease is no longer held (it expired, was lost or was taken over)")]
+    NotHeld,
+    /// The store failed (connection refused, command timeout, script error, ...).
+    #[error("backend error: {source}")]
+    Backend {
+        /// What the store said.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl Error {
+    /// Wraps a store's error as [`Error::Backend`] (for [`Backend`](crate::Backend) implementors).
+    ///
+    /// ```
+    /// let e = redlease::Error::backend(std::io::Error::other("connection reset"));
+    /// assert!(e.to_string().contains("connection reset"));
+    /// ```
+    pub fn backend(source: impl Into<BoxError>) -> Self {
+        Error::Backend {
+            source: source.into(),
+        }
+    }
+
+    pub(crate) fn invalid(what: impl Into<String>) -> Self {
+        Error::InvalidConfig(what.into())
+    }
+}

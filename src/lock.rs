@@ -1,0 +1,296 @@
+//! `LockManager` and `Lock`: naming locks and acquiring them.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future;
+
+use crate::backend::{Acquire, Backend, Subscription};
+use crate::error::{Error, Result};
+use crate::guard::{LockGuard, ReleaseOnDrop};
+use crate::options::LockOptions;
+use crate::runtime::{self, Rt};
+use crate::token::{LeaseKey, Token};
+use crate::watchdog::{Watchdog, WatchdogStats};
+
+pub(crate) struct ManagerInner {
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) defaults: LockOptions,
+    pub(crate) watchdog: Watchdog,
+}
+
+/// Hands out [`Lock`]s on one backend, with default [`LockOptions`] and one shared watchdog
+/// task that keeps every held lease alive (one batched round trip per tick, however many
+/// leases are held).
+///
+/// Cheap to clone; clones share the backend and the watchdog.
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::{LockManager, LockOptions, MemoryBackend};
+/// # fn main() -> redlease::Result<()> {
+/// let locks = LockManager::with_options(
+///     MemoryBackend::new(),
+///     LockOptions::new().ttl(Duration::from_secs(10)),
+/// )?;
+/// let orders = locks.lock("orders:42");
+/// let reports = locks.lock_with("reports", |o| o.ttl(Duration::from_secs(60)));
+/// assert_eq!(reports.options().get_ttl(), Duration::from_secs(60));
+/// # let _ = orders; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct LockManager {
+    inner: Arc<ManagerInner>,
+}
+
+impl fmt::Debug for LockManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockManager")
+            .field("backend", &self.inner.backend)
+            .field("defaults", &self.inner.defaults)
+            .field("watchdog", &self.inner.watchdog)
+            .finish()
+    }
+}
+
+impl LockManager {
+    /// A manager with default options.
+    pub fn new(backend: impl Backend) -> Self {
+        Self::build(Arc::new(backend), LockOptions::default())
+    }
+
+    /// A manager with the given defaults, checked now.
+    pub fn with_options(backend: impl Backend, defaults: LockOptions) -> Result<Self> {
+        Self::shared(Arc::new(backend), defaults)
+    }
+
+    /// Like [`with_options`](Self::with_options), for a backend that is already shared.
+    pub fn shared(backend: Arc<dyn Backend>, defaults: LockOptions) -> Result<Self> {
+        defaults.validate()?;
+        Ok(Self::build(backend, defaults))
+    }
+
+    fn build(backend: Arc<dyn Backend>, defaults: LockOptions) -> Self {
+        LockManager {
+            inner: Arc::new(ManagerInner {
+                watchdog: Watchdog::new(backend.clone()),
+                backend,
+                defaults,
+            }),
+        }
+    }
+
+    /// A handle on the lock `name`, with the manager's default options. Any non-empty
+    /// string is a valid name (an empty one makes `acquire` fail with
+    /// [`Error::InvalidConfig`]).
+    pub fn lock(&self, name: &str) -> Lock {
+        self.lock_with(name, |o| o)
+    }
+
+    /// A handle with options derived from the manager's defaults.
+    pub fn lock_with(&self, name: &str, options: impl FnOnce(LockOptions) -> LockOptions) -> Lock {
+        let options = options(self.inner.defaults.clone());
+        Lock {
+            manager: self.inner.clone(),
+            key: LeaseKey::new(&options.key_prefix, name),
+            name: name.into(),
+            options,
+        }
+    }
+
+    /// The default options.
+    pub fn options(&self) -> &LockOptions {
+        &self.inner.defaults
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// Counters of the shared watchdog (leases kept alive, batched round trips).
+    pub fn watchdog_stats(&self) -> WatchdogStats {
+        self.inner.watchdog.stats()
+    }
+}
+
+/// A named lock. Cheap to clone; `Send + Sync`. Acquiring returns a [`LockGuard`].
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::{Error, LockManager, MemoryBackend};
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::new(MemoryBackend::new());
+/// let lock = locks.lock("nightly-report");
+/// let held = lock.acquire().await?;
+/// assert!(lock.try_acquire().await?.is_none());               // contention is Ok(None)
+/// let err = lock.acquire_timeout(Duration::from_millis(20)).await.unwrap_err();
+/// assert!(matches!(err, Error::Timeout { .. }));
+/// drop(held);
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+#[derive(Clone)]
+pub struct Lock {
+    manager: Arc<ManagerInner>,
+    name: Arc<str>,
+    key: LeaseKey,
+    options: LockOptions,
+}
+
+impl fmt::Debug for Lock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lock")
+            .field("key", &self.key)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl Lock {
+    /// The lock's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The key the lease is stored under.
+    pub fn key(&self) -> &LeaseKey {
+        &self.key
+    }
+
+    /// This lock's options.
+    pub fn options(&self) -> &LockOptions {
+        &self.options
+    }
+
+    /// Waits until the lock is ours (or the options' `wait_timeout` passes).
+    ///
+    /// Waiters are woken by the holder's release (pub/sub on Redis), with a bounded fallback
+    /// re-check; see [`RetryPolicy`](crate::RetryPolicy).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] after `wait_timeout`; [`Error::InvalidConfig`] for an empty name or
+    /// invalid options; [`Error::Backend`] if the store fails.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future at any point leaves no lease behind: if an attempt may have
+    /// reached the store, a compare-and-delete for its token is run in the background.
+    pub async fn acquire(&self) -> Result<LockGuard> {
+        self.run(Some(self.options.wait_timeout)).await?.ok_or(Error::NotHeld)
+    }
+
+    /// Waits at most `timeout` (overrides the options' `wait_timeout`).
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Self::acquire); [`Error::Timeout`] when `timeout` passes.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<LockGuard> {
+        self.run(Some(Some(timeout))).await?.ok_or(Error::NotHeld)
+    }
+
+    /// One attempt: `Ok(None)` if someone else holds the lock.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn try_acquire(&self) -> Result<Option<LockGuard>> {
+        self.run(None).await
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.name.is_empty() {
+            return Err(Error::invalid("lock name must not be empty"));
+        }
+        self.options.validate()
+    }
+
+    /// The acquire loop. `wait`: `None` = one attempt; `Some(limit)` = wait, up to `limit`.
+    async fn run(&self, wait: Option<Option<Duration>>) -> Result<Option<LockGuard>> {
+        self.check()?;
+        let opts = &self.options;
+        let began = Instant::now();
+        let deadline = wait.flatten().map(|d| began + d);
+        let timeout = || Error::Timeout {
+            waited: began.elapsed(),
+        };
+        let mut pending = ReleaseOnDrop {
+            backend: self.manager.backend.clone(),
+            key: self.key.clone(),
+            token: Token::random(),
+            rt: Rt::current(),
+            armed: false,
+        };
+        let notify = wait.is_some() && opts.retry.notify;
+        let hint = notify.then_some(opts.retry.max_delay);
+        let mut sub: Option<Subscription> = None;
+        let mut backoff = opts.retry.min_delay;
+        loop {
+            let woken = sub.as_ref().map(Subscription::listen);
+            let started = Instant::now();
+            // From here until a definite answer, the attempt may hold the lease.
+            pending.armed = true;
+            let attempt = pending
+                .backend
+                .try_acquire(&self.key, &pending.token, opts.ttl, hint);
+            let outcome = runtime::until(deadline, attempt).await.ok_or_else(timeout)??;
+            let remaining = match outcome {
+                Acquire::Acquired {
+                    fencing_token,
+                    validity,
+                } => {
+                    tracing::debug!(key = %self.key, fencing_token, waited = ?began.elapsed(), "acquired");
+                    let interval = opts.watchdog.then(|| opts.effective_watchdog_interval());
+                    return Ok(Some(LockGuard::new(
+                        self.manager.clone(),
+                        self.name.clone(),
+                        opts.ttl,
+                        interval,
+                        fencing_token,
+                        started + validity,
+                        pending,
+                    )));
+                }
+                Acquire::Held { remaining } => remaining,
+            };
+            pending.armed = false;
+            if wait.is_none() {
+                return Ok(None);
+            }
+            if notify && sub.is_none() {
+                // Subscribe, then check again at once: a release that came before the
+                // subscription was confirmed is seen by that check.
+                let subscribed = self.manager.backend.subscribe(&self.key);
+                sub = Some(runtime::until(deadline, subscribed).await.ok_or_else(timeout)??);
+                continue;
+            }
+            let mut pause = if notify {
+                jitter(opts.retry.max_delay, 0.8)
+            } else {
+                let p = jitter(backoff, 0.5);
+                backoff = (backoff * 2).min(opts.retry.max_delay);
+                p
+            };
+            if let Some(r) = remaining {
+                // The holder's lease runs out then (a crashed holder never publishes).
+                pause = pause.min(r + Duration::from_millis(1));
+            }
+            let sleep = std::pin::pin!(runtime::sleep(pause));
+            let waited = match woken {
+                Some(w) => runtime::until(deadline, future::select(w, sleep)).await.map(drop),
+                None => runtime::until(deadline, sleep).await,
+            };
+            waited.ok_or_else(timeout)?;
+        }
+    }
+}
+
+/// `d` scaled by a random factor in `[low, 1]`, so waiters do not retry in lockstep.
+fn jitter(d: Duration, low: f64) -> Duration {
+    d.mul_f64(rand::random_range(low..=1.0))
+}

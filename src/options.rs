@@ -1,0 +1,231 @@
+//! Per-lock settings: TTL, watchdog, waiting, key prefix.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// The shortest TTL accepted. Below it the validity left after the clock-drift margin
+/// (1 % + 2 ms) would be next to nothing.
+pub const MIN_TTL: Duration = Duration::from_millis(10);
+
+/// Settings for locks: set defaults on the [`LockManager`](crate::LockManager), override them
+/// per lock with [`LockManager::lock_with`](crate::LockManager::lock_with).
+///
+/// Options are checked when used: an invalid set makes `acquire` return
+/// [`Error::InvalidConfig`] saying what is wrong (and [`LockManager::with_options`](crate::LockManager::with_options)
+/// checks them up front).
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::LockOptions;
+///
+/// let opts = LockOptions::new()
+///     .ttl(Duration::from_secs(10))                  // lease time on the server
+///     .watchdog_interval(Duration::from_secs(2))     // extend every 2 s while held
+///     .wait_timeout(Some(Duration::from_secs(5)))    // acquire() gives up after 5 s
+///     .key_prefix("myapp:locks:");
+/// assert!(opts.validate().is_ok());
+/// assert!(LockOptions::new().ttl(Duration::ZERO).validate().is_err());
+/// ```
+#[derive(Clone, Debug)]
+pub struct LockOptions {
+    pub(crate) ttl: Duration,
+    pub(crate) watchdog: bool,
+    pub(crate) watchdog_interval: Option<Duration>,
+    pub(crate) wait_timeout: Option<Duration>,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) key_prefix: Arc<str>,
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        LockOptions {
+            ttl: Duration::from_secs(30),
+            watchdog: true,
+            watchdog_interval: None,
+            wait_timeout: None,
+            retry: RetryPolicy::default(),
+            key_prefix: "redlease:".into(),
+        }
+    }
+}
+
+impl LockOptions {
+    /// The defaults: ttl 30 s, watchdog on at ttl/3, wait forever, woken on release,
+    /// prefix `redlease:`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long a lease lives on the server without being extended. A crashed holder's lock
+    /// is free again after at most this long. Defaults to 30 s; at least 10 ms.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Whether the shared watchdog keeps held leases alive. Defaults to `true`. With it off,
+    /// the guard is lost when its first TTL runs out unless you call
+    /// [`LockGuard::extend`](crate::LockGuard::extend).
+    pub fn watchdog(mut self, on: bool) -> Self {
+        self.watchdog = on;
+        self
+    }
+
+    /// How often the watchdog extends a held lease. Defaults to ttl/3; must be at most
+    /// ttl/2 so that a failed extension can be retried before the lease runs out.
+    pub fn watchdog_interval(mut self, interval: Duration) -> Self {
+        self.watchdog_interval = Some(interval);
+        self
+    }
+
+    /// How long [`Lock::acquire`](crate::Lock::acquire) waits before [`Error::Timeout`].
+    /// Defaults to `None`: wait as long as it takes.
+    pub fn wait_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.wait_timeout = timeout;
+        self
+    }
+
+    /// How waiters learn that the lock is free. See [`RetryPolicy`].
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// Prefix of every key this lock uses. Defaults to `redlease:`. Must not contain `{` or
+    /// `}` (the lock name is the key's hash tag).
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into().into();
+        self
+    }
+
+    /// The configured TTL.
+    pub fn get_ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The interval the watchdog uses: the configured one, or ttl/3.
+    pub fn effective_watchdog_interval(&self) -> Duration {
+        self.watchdog_interval.unwrap_or(self.ttl / 3)
+    }
+
+    /// Checks the options, naming the first problem found.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let bad = redlease::LockOptions::new()
+    ///     .ttl(Duration::from_secs(1))
+    ///     .watchdog_interval(Duration::from_secs(1));
+    /// let msg = bad.validate().unwrap_err().to_string();
+    /// assert!(msg.contains("watchdog interval"), "{msg}");
+    /// ```
+    pub fn validate(&self) -> Result<()> {
+        if self.ttl < MIN_TTL {
+            return Err(Error::invalid(format!(
+                "ttl must be at least {MIN_TTL:?}, got {:?}",
+                self.ttl
+            )));
+        }
+        if self.ttl > Duration::from_millis(i64::MAX as u64 / 2) {
+            return Err(Error::invalid(format!("ttl {:?} is too large", self.ttl)));
+        }
+        if let Some(interval) = self.watchdog_interval {
+            if interval.is_zero() {
+                return Err(Error::invalid("watchdog interval must be above zero"));
+            }
+            if interval >= self.ttl {
+                return Err(Error::invalid(format!(
+                    "watchdog interval {interval:?} must be shorter than the ttl {:?}",
+                    self.ttl
+                )));
+            }
+            if interval > self.ttl / 2 {
+                return Err(Error::invalid(format!(
+                    "watchdog interval {interval:?} must be at most half the ttl {:?}, so that a \
+                     failed extension can be retried before the lease runs out",
+                    self.ttl
+                )));
+            }
+        }
+        if self.key_prefix.contains(['{', '}']) {
+            return Err(Error::invalid(format!(
+                "key prefix {:?} must not contain '{{' or '}}': the lock name is the hash tag",
+                self.key_prefix
+            )));
+        }
+        self.retry.validate()
+    }
+}
+
+/// How a waiting [`acquire`](crate::Lock::acquire) learns that the lock is free.
+///
+/// The default, [`RetryPolicy::notify`], subscribes to the lock's release channel (pub/sub
+/// on Redis, a notify in memory) and is woken by the release itself; as a fallback for a lost
+/// wake-up (a reconnect, an expiry with no release) it re-checks after the holder's remaining
+/// TTL or `max_delay`, whichever is sooner. [`RetryPolicy::polling`] never subscribes and
+/// re-checks with jittered exponential back-off from `min_delay` to `max_delay`.
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::RetryPolicy;
+/// let p = RetryPolicy::polling().min_delay(Duration::from_millis(5)).max_delay(Duration::from_millis(200));
+/// assert!(redlease::LockOptions::new().retry(p).validate().is_ok());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub(crate) notify: bool,
+    pub(crate) min_delay: Duration,
+    pub(crate) max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self::notify()
+    }
+}
+
+impl RetryPolicy {
+    /// Woken by the release; fallback re-check at most every second (`max_delay`).
+    pub fn notify() -> Self {
+        RetryPolicy {
+            notify: true,
+            min_delay: Duration::from_millis(10),
+            max_delay: Duration::from_secs(1),
+        }
+    }
+
+    /// No subscription; poll with back-off from 10 ms to 500 ms (jittered).
+    pub fn polling() -> Self {
+        RetryPolicy {
+            notify: false,
+            min_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(500),
+        }
+    }
+
+    /// First back-off delay when polling. Defaults to 10 ms.
+    pub fn min_delay(mut self, d: Duration) -> Self {
+        self.min_delay = d;
+        self
+    }
+
+    /// Longest wait between two checks (the fallback re-check when notified).
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        self.max_delay = d;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.min_delay.is_zero() || self.max_delay.is_zero() {
+            return Err(Error::invalid("retry delays must be above zero"));
+        }
+        if self.min_delay > self.max_delay {
+            return Err(Error::invalid(format!(
+                "retry min_delay {:?} is above max_delay {:?}",
+                self.min_delay, self.max_delay
+            )));
+        }
+        Ok(())
+    }
+}

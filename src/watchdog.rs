@@ -1,0 +1,306 @@
+//! One shared task per manager that keeps every held lease alive, in batches.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use event_listener::Event;
+use futures::future;
+
+use crate::backend::{Backend, Lease};
+use crate::runtime::{self, Rt};
+use crate::token::{LeaseKey, Token};
+
+/// What a guard and the watchdog share about one lease: its local deadline and the lost
+/// latch. A lease is lost once an extension is refused, or once the deadline (monotonic
+/// clock: attempt start + validity) passes without a confirmed extension. Lost is final.
+#[derive(Debug)]
+pub(crate) struct LeaseState {
+    deadline: AtomicU64,
+    lost: AtomicBool,
+    event: Event,
+}
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn to_nanos(t: Instant) -> u64 {
+    u64::try_from(t.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl LeaseState {
+    pub(crate) fn new(deadline: Instant) -> Self {
+        LeaseState {
+            deadline: AtomicU64::new(to_nanos(deadline)),
+            lost: AtomicBool::new(false),
+            event: Event::new(),
+        }
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        epoch() + Duration::from_nanos(self.deadline.load(Ordering::Acquire))
+    }
+
+    /// Moves the deadline after a confirmed extension; `false` if the lease is lost already.
+    pub(crate) fn confirm(&self, deadline: Instant) -> bool {
+        if self.check_lost() {
+            return false;
+        }
+        self.deadline.store(to_nanos(deadline), Ordering::Release);
+        true
+    }
+
+    pub(crate) fn mark_lost(&self) {
+        if !self.lost.swap(true, Ordering::AcqRel) {
+            self.event.notify(usize::MAX);
+        }
+    }
+
+    /// Whether the lease is lost, latching it if the deadline has passed.
+    pub(crate) fn check_lost(&self) -> bool {
+        if self.lost.load(Ordering::Acquire) {
+            return true;
+        }
+        if Instant::now() >= self.deadline() {
+            self.mark_lost();
+            return true;
+        }
+        false
+    }
+
+    /// Resolves once the lease is lost: on the latch, or at the deadline by its own timer, so
+    /// it fires on time even if the watchdog task is gone.
+    pub(crate) async fn lost(self: Arc<Self>) {
+        loop {
+            let latch = self.event.listen();
+            if self.check_lost() {
+                return;
+            }
+            let timer = std::pin::pin!(runtime::sleep_until(self.deadline()));
+            future::select(latch, timer).await;
+        }
+    }
+}
+
+/// Counters of a manager's watchdog, from [`LockManager::watchdog_stats`](crate::LockManager::watchdog_stats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WatchdogStats {
+    /// Leases the watchdog keeps alive now.
+    pub leases: usize,
+    /// Batched extension calls made so far (one round trip each, however many leases).
+    pub rounds: u64,
+    /// Lease extensions confirmed so far.
+    pub extended: u64,
+    /// Leases found lost by the watchdog (refused extension or passed deadline).
+    pub lost: u64,
+}
+
+struct Entry {
+    key: LeaseKey,
+    token: Token,
+    ttl: Duration,
+    interval: Duration,
+    next_due: Instant,
+    /// The last extension failed: retry at `next_due` exactly, with no batching slack.
+    retrying: bool,
+    state: Arc<LeaseState>,
+}
+
+#[derive(Default)]
+struct Registry {
+    entries: HashMap<u64, Entry>,
+    next_id: u64,
+    running: bool,
+    stats: WatchdogStats,
+}
+
+struct Shared {
+    backend: Arc<dyn Backend>,
+    registry: Mutex<Registry>,
+    wake: Event,
+}
+
+impl Shared {
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The handle a manager keeps; the task runs only while leases are registered.
+pub(crate) struct Watchdog {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Watchdog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Watchdog").field(&self.stats()).finish()
+    }
+}
+
+impl Watchdog {
+    pub(crate) fn new(backend: Arc<dyn Backend>) -> Self {
+        Watchdog {
+            shared: Arc::new(Shared {
+                backend,
+                registry: Mutex::default(),
+                wake: Event::new(),
+            }),
+        }
+    }
+
+    pub(crate) fn register(
+        &self,
+        key: LeaseKey,
+        token: Token,
+        ttl: Duration,
+        interval: Duration,
+        state: Arc<LeaseState>,
+        rt: &Rt,
+    ) -> u64 {
+        let mut reg = self.shared.registry();
+        let id = reg.next_id;
+        reg.next_id += 1;
+        reg.entries.insert(
+            id,
+            Entry {
+                key,
+                token,
+                ttl,
+                interval,
+                next_due: Instant::now() + interval,
+                retrying: false,
+                state,
+            },
+        );
+        reg.stats.leases = reg.entries.len();
+        if !reg.running {
+            reg.running = true;
+            rt.spawn(run(self.shared.clone()));
+        }
+        drop(reg);
+        self.shared.wake.notify(1);
+        id
+    }
+
+    pub(crate) fn unregister(&self, id: u64) {
+        let mut reg = self.shared.registry();
+        reg.entries.remove(&id);
+        reg.stats.leases = reg.entries.len();
+    }
+
+    /// After a manual extend: keep extending with the new TTL.
+    pub(crate) fn set_ttl(&self, id: u64, ttl: Duration) {
+        if let Some(e) = self.shared.registry().entries.get_mut(&id) {
+            e.ttl = ttl;
+            e.interval = e.interval.min(ttl / 3);
+            e.next_due = Instant::now() + e.interval;
+        }
+    }
+
+    pub(crate) fn stats(&self) -> WatchdogStats {
+        self.shared.registry().stats
+    }
+}
+
+struct Due {
+    id: u64,
+    key: LeaseKey,
+    token: Token,
+    ttl: Duration,
+}
+
+async fn run(shared: Arc<Shared>) {
+    loop {
+        let wake = shared.wake.listen();
+        let now = Instant::now();
+        let mut due = Vec::new();
+        let mut next_wake: Option<Instant> = None;
+        let mut earliest_deadline: Option<Instant> = None;
+        {
+            let mut reg = shared.registry();
+            let before = reg.entries.len();
+            reg.entries.retain(|_, e| !e.state.check_lost());
+            reg.stats.lost += (before - reg.entries.len()) as u64;
+            reg.stats.leases = reg.entries.len();
+            if reg.entries.is_empty() {
+                reg.running = false;
+                return;
+            }
+            for (&id, e) in reg.entries.iter() {
+                // Take everything due within half an interval, so leases registered at
+                // different moments fall into the same batch after their first extension.
+                let slack = if e.retrying { Duration::ZERO } else { e.interval / 2 };
+                if e.next_due <= now + slack {
+                    due.push(Due {
+                        id,
+                        key: e.key.clone(),
+                        token: e.token.clone(),
+                        ttl: e.ttl,
+                    });
+                    let d = e.state.deadline();
+                    earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
+                } else {
+                    next_wake = Some(next_wake.map_or(e.next_due, |x| x.min(e.next_due)));
+                }
+            }
+        }
+        if due.is_empty() {
+            let timer = std::pin::pin!(runtime::sleep_until(next_wake.unwrap_or(now)));
+            future::select(wake, timer).await;
+            continue;
+        }
+        let leases: Vec<Lease<'_>> = due
+            .iter()
+            .map(|d| Lease {
+                key: &d.key,
+                token: &d.token,
+                ttl: d.ttl,
+            })
+            .collect();
+        let started = Instant::now();
+        // Never wait on a hung call past a deadline: the lost signal must not be late.
+        let result = runtime::until(earliest_deadline, shared.backend.extend(&leases)).await;
+        let mut reg = shared.registry();
+        reg.stats.rounds += 1;
+        match result {
+            Some(Ok(validities)) => {
+                for (d, validity) in due.iter().zip(validities) {
+                    let Some(e) = reg.entries.get_mut(&d.id) else {
+                        continue;
+                    };
+                    match validity {
+                        Some(v) if e.state.confirm(started + v) => {
+                            e.next_due = started + e.interval;
+                            e.retrying = false;
+                            reg.stats.extended += 1;
+                        }
+                        _ => {
+                            tracing::warn!(key = %d.key, "lease lost: extension refused");
+                            e.state.mark_lost();
+                            reg.entries.remove(&d.id);
+                            reg.stats.lost += 1;
+                        }
+                    }
+                }
+                reg.stats.leases = reg.entries.len();
+            }
+            failed => {
+                match failed {
+                    Some(Err(e)) => tracing::warn!(error = %e, "watchdog extension failed; retrying"),
+                    _ => tracing::warn!("watchdog extension timed out at a lease deadline"),
+                }
+                let retry_at = Instant::now();
+                for d in &due {
+                    if let Some(e) = reg.entries.get_mut(&d.id) {
+                        e.next_due = retry_at + (e.interval / 8).max(Duration::from_millis(5));
+                        e.retrying = true;
+                    }
+                }
+            }
+        }
+    }
+}
