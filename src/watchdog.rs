@@ -105,8 +105,6 @@ struct Entry {
     ttl: Duration,
     interval: Duration,
     next_due: Instant,
-    /// The last extension failed: retry at `next_due` exactly, with no batching slack.
-    retrying: bool,
     state: Arc<LeaseState>,
 }
 
@@ -172,7 +170,6 @@ impl Watchdog {
                 ttl,
                 interval,
                 next_due: Instant::now() + interval,
-                retrying: false,
                 state,
             },
         );
@@ -218,38 +215,38 @@ async fn run(shared: Arc<Shared>) {
         let wake = shared.wake.listen();
         let now = Instant::now();
         let mut due = Vec::new();
-        let mut next_wake: Option<Instant> = None;
         let mut earliest_deadline: Option<Instant> = None;
-        {
+        let next_wake = {
             let mut reg = shared.registry();
             let before = reg.entries.len();
             reg.entries.retain(|_, e| !e.state.check_lost());
             reg.stats.lost += (before - reg.entries.len()) as u64;
             reg.stats.leases = reg.entries.len();
-            if reg.entries.is_empty() {
+            let Some(first_due) = reg.entries.values().map(|e| e.next_due).min() else {
                 reg.running = false;
                 return;
-            }
-            for (&id, e) in reg.entries.iter() {
-                // Take everything due within half an interval, so leases registered at
-                // different moments fall into the same batch after their first extension.
-                let slack = if e.retrying { Duration::ZERO } else { e.interval / 2 };
-                if e.next_due <= now + slack {
-                    due.push(Due {
-                        id,
-                        key: e.key.clone(),
-                        token: e.token.clone(),
-                        ttl: e.ttl,
-                    });
-                    let d = e.state.deadline();
-                    earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
-                } else {
-                    next_wake = Some(next_wake.map_or(e.next_due, |x| x.min(e.next_due)));
+            };
+            // A round starts when the first lease is due, and takes along every lease due
+            // within half its interval: leases acquired at different moments fall into the
+            // same round after their first extension.
+            if first_due <= now {
+                for (&id, e) in reg.entries.iter() {
+                    if e.next_due <= now + e.interval / 2 {
+                        due.push(Due {
+                            id,
+                            key: e.key.clone(),
+                            token: e.token.clone(),
+                            ttl: e.ttl,
+                        });
+                        let d = e.state.deadline();
+                        earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
+                    }
                 }
             }
-        }
+            first_due
+        };
         if due.is_empty() {
-            let timer = std::pin::pin!(runtime::sleep_until(next_wake.unwrap_or(now)));
+            let timer = std::pin::pin!(runtime::sleep_until(next_wake));
             future::select(wake, timer).await;
             continue;
         }
@@ -275,7 +272,6 @@ async fn run(shared: Arc<Shared>) {
                     match validity {
                         Some(v) if e.state.confirm(started + v) => {
                             e.next_due = started + e.interval;
-                            e.retrying = false;
                             reg.stats.extended += 1;
                         }
                         _ => {
@@ -297,7 +293,6 @@ async fn run(shared: Arc<Shared>) {
                 for d in &due {
                     if let Some(e) = reg.entries.get_mut(&d.id) {
                         e.next_due = retry_at + (e.interval / 8).max(Duration::from_millis(5));
-                        e.retrying = true;
                     }
                 }
             }

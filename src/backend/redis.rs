@@ -162,7 +162,9 @@ fn parse_url(url: &str) -> Result<Config> {
             )))
         }
     }
-    if rest.is_empty() || rest.starts_with(['/', ':', '?']) {
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    if host.is_empty() || host.starts_with(':') {
         return Err(Error::invalid("Redis URL has no host"));
     }
     // fred's message names the part that failed; it does not echo credentials.

@@ -1,0 +1,148 @@
+//! Bad input gets `Error::InvalidConfig` naming what is wrong: never a panic, a hang or a
+//! silent fallback. Also the URL features that must work: ACL auth, passwords, databases.
+
+mod support;
+
+use std::time::Duration;
+
+use redlease::{Error, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions, RetryPolicy};
+use support::RedisServer;
+
+fn invalid_message(r: redlease::Result<impl std::fmt::Debug>) -> String {
+    match r {
+        Err(Error::InvalidConfig(msg)) => msg,
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_options_are_named() {
+    let cases: Vec<(LockOptions, &str)> = vec![
+        (LockOptions::new().ttl(Duration::ZERO), "ttl"),
+        (LockOptions::new().ttl(Duration::from_millis(3)), "ttl"),
+        (
+            LockOptions::new().ttl(Duration::from_secs(1)).watchdog_interval(Duration::from_secs(1)),
+            "watchdog interval",
+        ),
+        (
+            LockOptions::new().ttl(Duration::from_secs(1)).watchdog_interval(Duration::from_secs(5)),
+            "watchdog interval",
+        ),
+        (
+            LockOptions::new().ttl(Duration::from_secs(1)).watchdog_interval(Duration::from_millis(600)),
+            "half the ttl",
+        ),
+        (LockOptions::new().watchdog_interval(Duration::ZERO), "watchdog interval"),
+        (LockOptions::new().key_prefix("app:{x}:"), "key prefix"),
+        (
+            LockOptions::new().retry(RetryPolicy::polling().min_delay(Duration::from_secs(2))),
+            "min_delay",
+        ),
+        (LockOptions::new().retry(RetryPolicy::notify().max_delay(Duration::ZERO)), "retry"),
+    ];
+    for (opts, needle) in cases {
+        let msg = invalid_message(opts.validate());
+        assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
+        let msg = invalid_message(LockManager::with_options(MemoryBackend::new(), opts.clone()));
+        assert!(msg.contains(needle), "{msg:?}");
+    }
+}
+
+#[tokio::test]
+async fn bad_per_lock_options_and_names_fail_at_acquire() {
+    let locks = LockManager::new(MemoryBackend::new());
+    let msg = invalid_message(locks.lock("").acquire().await);
+    assert!(msg.contains("name"), "{msg}");
+    let msg = invalid_message(locks.lock("").try_acquire().await);
+    assert!(msg.contains("name"), "{msg}");
+    let bad = locks.lock_with("x", |o| o.ttl(Duration::ZERO));
+    let msg = invalid_message(bad.acquire_timeout(Duration::from_secs(1)).await);
+    assert!(msg.contains("ttl"), "{msg}");
+    // Nothing was left behind by the rejected calls.
+    assert!(locks.lock("x").try_acquire().await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn bad_urls_are_rejected_before_connecting() {
+    for (url, needle) in [
+        ("", "scheme"),
+        ("127.0.0.1:6379", "scheme"),
+        ("http://127.0.0.1:6379", "scheme"),
+        ("redis://", "host"),
+        ("redis://:6379", "host"),
+        ("redis://127.0.0.1:notaport", "malformed"),
+        ("redis://127.0.0.1:99999", "malformed"),
+    ] {
+        let msg = invalid_message(RedisBackend::connect(url).await);
+        assert!(msg.contains(needle), "{url:?}: {msg:?} should mention {needle:?}");
+    }
+    let msg = invalid_message(
+        RedisBackend::connect_with("redis://127.0.0.1", RedisOptions::new().command_timeout(Duration::ZERO)).await,
+    );
+    assert!(msg.contains("timeout"), "{msg}");
+}
+
+/// fred would quietly use plain TCP for `rediss://` without a TLS feature.
+#[cfg(not(feature = "tls"))]
+#[tokio::test]
+async fn rediss_without_the_tls_feature_is_refused() {
+    let msg = invalid_message(RedisBackend::connect("rediss://127.0.0.1:6379").await);
+    assert!(msg.contains("tls"), "{msg}");
+}
+
+/// With TLS compiled in, `rediss://` really speaks TLS: a plain-text server cannot complete
+/// the handshake, so connecting fails (within the connect timeout) instead of falling back.
+#[cfg(feature = "tls")]
+#[tokio::test]
+async fn rediss_with_the_tls_feature_speaks_tls() {
+    let srv = RedisServer::start();
+    let url = format!("rediss://127.0.0.1:{}", srv.port());
+    let opts = RedisOptions::new().connect_timeout(Duration::from_millis(500));
+    let result = tokio::time::timeout(Duration::from_secs(10), RedisBackend::connect_with(&url, opts))
+        .await
+        .expect("connect must not hang");
+    assert!(matches!(result, Err(Error::Backend { .. })), "{result:?}");
+}
+
+#[tokio::test]
+async fn unreachable_server_fails_within_the_connect_timeout() {
+    let srv = RedisServer::start();
+    let url = srv.url();
+    drop(srv); // nothing listens there now
+    let opts = RedisOptions::new().connect_timeout(Duration::from_millis(300));
+    let result = tokio::time::timeout(Duration::from_secs(10), RedisBackend::connect_with(&url, opts))
+        .await
+        .expect("connect must not hang");
+    assert!(matches!(result, Err(Error::Backend { .. })), "{result:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acl_user_in_the_url_authenticates() {
+    let srv = RedisServer::start_with(&["--user", "alice", "on", ">s3cret", "~*", "&*", "+@all"]);
+    let url = format!("redis://alice:s3cret@127.0.0.1:{}", srv.port());
+    let locks = LockManager::new(RedisBackend::connect(&url).await.unwrap());
+    let g = locks.lock("acl").acquire().await.unwrap();
+    g.release().await.unwrap();
+
+    let wrong = format!("redis://alice:nope@127.0.0.1:{}", srv.port());
+    let opts = RedisOptions::new().connect_timeout(Duration::from_secs(1));
+    let result = tokio::time::timeout(Duration::from_secs(10), RedisBackend::connect_with(&wrong, opts))
+        .await
+        .expect("a wrong password must fail, not hang");
+    assert!(matches!(result, Err(Error::Backend { .. })), "{result:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_and_database_in_the_url_are_used() {
+    let srv = RedisServer::start_with(&["--requirepass", "pw"]);
+    let url = format!("redis://:pw@127.0.0.1:{}/3", srv.port());
+    let locks = LockManager::new(RedisBackend::connect(&url).await.unwrap());
+    let g = locks.lock("db").acquire().await.unwrap();
+    let key = locks.lock("db").key().as_str().to_owned();
+    let mut conn = srv.connect();
+    conn.cmd(&["SELECT", "3"]).unwrap();
+    assert_eq!(conn.cmd(&["EXISTS", &key]).unwrap().as_int(), Some(1), "lease lives in db 3");
+    conn.cmd(&["SELECT", "0"]).unwrap();
+    assert_eq!(conn.cmd(&["EXISTS", &key]).unwrap().as_int(), Some(0), "not in db 0");
+    g.release().await.unwrap();
+}
