@@ -117,7 +117,7 @@ pub fn clock_drift(ttl: Duration) -> Duration {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use event_listener::Event;
+/// use redlease::event_listener::Event;
 /// # futures::executor::block_on(async {
 /// let event = Arc::new(Event::new());
 /// let sub = redlease::Subscription::new(event.clone());

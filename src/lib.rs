@@ -1,4 +1,82 @@
-//! redlease: distributed lease locks on Redis.
+//! Distributed lease locks on Redis, for async Rust: an RAII guard, one batched watchdog per
+//! manager, an awaitable lost-lease signal, fencing tokens, and wake-up on release.
+//!
+//! ```
+//! use redlease::{LockManager, MemoryBackend};
+//! # futures::executor::block_on(async {
+//! // With Redis: LockManager::new(RedisBackend::connect("redis://127.0.0.1:6379").await?)
+//! let locks = LockManager::new(MemoryBackend::new());
+//! let lock = locks.lock("orders:42");
+//! let guard = lock.acquire().await?;   // waits; the watchdog keeps the lease alive
+//! let token = guard.fencing_token();   // pass it with every write you protect
+//! // ... critical section ...
+//! drop(guard);                         // released in the background
+//! # let _ = token;
+//! # Ok::<(), redlease::Error>(()) }).unwrap();
+//! ```
+//!
+//! # What a lease promises, and what it does not
+//!
+//! A lock here is a *lease*: the store grants it for a TTL, the watchdog extends it while
+//! the guard lives, and a holder that crashes loses it when the TTL runs out, so a dead
+//! process never blocks the others for longer than one TTL. Only the holder's random 128-bit
+//! token can extend or release it (compare-and-delete), so a late release never frees
+//! someone else's lease.
+//!
+//! Mutual exclusion holds **only while the holder is running and in touch with the store**. A
+//! process paused longer than the TTL (GC, swap, SIGSTOP, a stalled network) can wake up
+//! still believing it holds the lock after another process has taken it. No lease library can
+//! prevent that; what this one does:
+//!
+//! - the guard knows its deadline (monotonic clock: attempt start + TTL − drift margin) and
+//!   reports itself lost when the deadline passes without a confirmed extension, or when an
+//!   extension is refused: [`LockGuard::is_lost`], [`LockGuard::lost`];
+//! - every hold gets a [fencing token](LockGuard::fencing_token) strictly greater than all
+//!   earlier ones for that name (also across a Redis restart without persistence). Send it
+//!   with each write and let the resource refuse tokens older than the newest it has seen:
+//!   that is what actually protects data from a paused holder.
+//!
+//! Client clocks are never compared with each other or with the server's: expiry happens on
+//! the server, and each client measures only elapsed time on its own monotonic clock, with a
+//! 1 % + 2 ms margin for clock rate drift ([`clock_drift`]).
+//!
+//! A single Redis server is a single point of failure, and a replicated Redis can lose a
+//! lease on failover (replication is asynchronous). Use locks for efficiency (avoid doing
+//! work twice) freely; for correctness, fence your writes.
+//!
+//! # When a local mutex will do
+//!
+//! If every contender lives in one process, use `tokio::sync::Mutex` or
+//! [`MemoryBackend`] (same API, no server). Reach for Redis when contenders are separate
+//! processes or machines.
+//!
+//! # Runtimes
+//!
+//! Cargo features choose the executor for background work (drop releases, the watchdog):
+//! `tokio` (default), `smol`, `async-std` (discontinued upstream; smol is its successor). At
+//! least one must be on, or the crate fails to compile with a message saying so. Several may
+//! be on at once (for example with `--all-features`); then the choice is made per call at run
+//! time: inside a tokio runtime tokio is used, otherwise smol if enabled, otherwise
+//! async-std. The Redis client (fred) always runs in a tokio context: the caller's tokio
+//! runtime, or a private one-thread runtime when the caller runs smol or async-std, so
+//! [`RedisBackend`] works under `smol::block_on` and `async_std::task::block_on` too.
+//!
+//! # Drop and cancellation
+//!
+//! Dropping a [`LockGuard`] schedules its release on the runtime it was acquired on and
+//! returns at once; it never blocks or panics, also outside any runtime. If that runtime has
+//! shut down, the release cannot run and the TTL frees the key. Dropping an `acquire()`
+//! future at any point leaves no lease behind: if an attempt may have reached the store, a
+//! compare-and-delete for its token is scheduled.
+//!
+//! # Features
+//!
+//! | feature | default | what it does |
+//! |---|---|---|
+//! | `tokio` | yes | tokio executor for background work |
+//! | `smol` | no | smol executor when not inside tokio |
+//! | `async-std` | no | async-std executor when not inside tokio (and smol is off) |
+//! | `tls` | no | `rediss://` URLs (rustls); without it they are refused, never sent in plain text |
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backend;
@@ -14,6 +92,7 @@ pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::{clock_drift, Acquire, Backend, Lease, Released, Subscription};
 pub use error::{BoxError, Error, Result};
+/// The notification primitive behind [`Subscription`], re-exported for backend authors.
 pub use event_listener;
 pub use guard::{LockGuard, Lost};
 pub use lock::{Lock, LockManager};

@@ -98,7 +98,8 @@ pub(crate) async fn sleep(d: Duration) {
     }
     #[cfg(not(any(feature = "smol", feature = "async-std")))]
     {
-        Compat::new(tokio::time::sleep(d)).await;
+        // Created inside the Compat context: tokio's timer needs the runtime at creation.
+        Compat::new(async move { tokio::time::sleep(d).await }).await;
     }
 }
 
