@@ -56,10 +56,15 @@ pub struct Lease<'a> {
 /// may re-send a command after a reconnect even though the store already ran it.
 ///
 /// - `try_acquire` grants the lease if the key is free or already holds `token`, and mints a
-///   fencing token greater than any before it for that key; otherwise it reports `Held`.
+///   fencing token greater than any before it for that key; otherwise it reports `Held`. It
+///   never grants a token that was [`abandon`](Backend::abandon)ed.
 /// - `extend` sets each lease's TTL only where the key still holds that lease's token.
 /// - `release` deletes the key only if it holds `token` (compare-and-delete), and wakes the
 ///   key's subscribers.
+/// - `abandon` is `release` for an attempt whose outcome the caller never learnt (a timeout,
+///   a dropped future): the store may still run a late copy of that attempt (a client re-sends
+///   in-flight commands after a reconnect), so besides deleting, it must make sure such a
+///   copy can no longer take the lease. Redis keeps a tombstone of the token for 5 minutes.
 /// - `subscribe` returns once a release of the key will wake the subscription.
 ///
 /// ```
@@ -96,6 +101,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Compare-and-delete. `true` if the lease was ours and is gone now (also when a replayed
     /// release finds it already released by the same token).
     async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool>;
+
+    /// Releases an attempt whose outcome is unknown, and bars `token` from ever being granted
+    /// later (see the contract above). `true` if a lease was deleted.
+    async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool>;
 
     /// A wake-up source for releases of `key`.
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription>;

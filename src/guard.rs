@@ -25,6 +25,9 @@ pub(crate) struct ReleaseOnDrop {
     pub(crate) token: Token,
     pub(crate) rt: Rt,
     pub(crate) armed: bool,
+    /// The acquire was confirmed (a guard exists). Until then the attempt's outcome is
+    /// unknown and the clean-up must [`abandon`](Backend::abandon) the token.
+    pub(crate) confirmed: bool,
 }
 
 impl Drop for ReleaseOnDrop {
@@ -33,8 +36,14 @@ impl Drop for ReleaseOnDrop {
             return;
         }
         let (backend, key, token) = (self.backend.clone(), self.key.clone(), self.token.clone());
+        let confirmed = self.confirmed;
         self.rt.spawn(async move {
-            match backend.release(&key, &token).await {
+            let released = if confirmed {
+                backend.release(&key, &token).await
+            } else {
+                backend.abandon(&key, &token).await
+            };
+            match released {
                 Ok(released) => tracing::debug!(%key, released, "background release"),
                 Err(e) => tracing::warn!(%key, error = %e, "background release failed; the TTL will free the lock"),
             }
@@ -109,8 +118,9 @@ impl LockGuard {
         watchdog_interval: Option<Duration>,
         fence: u64,
         deadline: Instant,
-        release: ReleaseOnDrop,
+        mut release: ReleaseOnDrop,
     ) -> Self {
+        release.confirmed = true;
         let state = Arc::new(LeaseState::new(deadline));
         let watch = watchdog_interval.map(|interval| {
             manager.watchdog.register(
@@ -136,7 +146,9 @@ impl LockGuard {
 
     fn held(&self) -> &Held {
         // Only `release`/`forget` take `held`, and they consume the guard.
-        self.held.as_ref().expect("a live guard always holds its lease")
+        self.held
+            .as_ref()
+            .expect("a live guard always holds its lease")
     }
 
     /// The lock's name.

@@ -178,7 +178,9 @@ impl Lock {
     /// Dropping the future at any point leaves no lease behind: if an attempt may have
     /// reached the store, a compare-and-delete for its token is run in the background.
     pub async fn acquire(&self) -> Result<LockGuard> {
-        self.run(Some(self.options.wait_timeout)).await?.ok_or(Error::NotHeld)
+        self.run(Some(self.options.wait_timeout))
+            .await?
+            .ok_or(Error::NotHeld)
     }
 
     /// Waits at most `timeout` (overrides the options' `wait_timeout`).
@@ -225,6 +227,7 @@ impl Lock {
             token: Token::random(),
             rt: Rt::current(),
             armed: false,
+            confirmed: false,
         };
         let notify = wait.is_some() && opts.retry.notify;
         let hint = notify.then_some(opts.retry.max_delay);
@@ -238,7 +241,9 @@ impl Lock {
             let attempt = pending
                 .backend
                 .try_acquire(&self.key, &pending.token, opts.ttl, hint);
-            let outcome = runtime::until(deadline, attempt).await.ok_or_else(timeout)??;
+            let outcome = runtime::until(deadline, attempt)
+                .await
+                .ok_or_else(timeout)??;
             let remaining = match outcome {
                 Acquire::Acquired {
                     fencing_token,
@@ -266,7 +271,11 @@ impl Lock {
                 // Subscribe, then check again at once: a release that came before the
                 // subscription was confirmed is seen by that check.
                 let subscribed = self.manager.backend.subscribe(&self.key);
-                sub = Some(runtime::until(deadline, subscribed).await.ok_or_else(timeout)??);
+                sub = Some(
+                    runtime::until(deadline, subscribed)
+                        .await
+                        .ok_or_else(timeout)??,
+                );
                 continue;
             }
             let mut pause = if notify {
@@ -282,7 +291,9 @@ impl Lock {
             }
             let sleep = std::pin::pin!(runtime::sleep(pause));
             let waited = match woken {
-                Some(w) => runtime::until(deadline, future::select(w, sleep)).await.map(drop),
+                Some(w) => runtime::until(deadline, future::select(w, sleep))
+                    .await
+                    .map(drop),
                 None => runtime::until(deadline, sleep).await,
             };
             waited.ok_or_else(timeout)?;

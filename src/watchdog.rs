@@ -286,7 +286,9 @@ async fn run(shared: Arc<Shared>) {
             }
             failed => {
                 match failed {
-                    Some(Err(e)) => tracing::warn!(error = %e, "watchdog extension failed; retrying"),
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "watchdog extension failed; retrying")
+                    }
                     _ => tracing::warn!("watchdog extension timed out at a lease deadline"),
                 }
                 let retry_at = Instant::now();

@@ -131,6 +131,12 @@ impl Backend for MemoryBackend {
         Ok(false)
     }
 
+    /// In-process attempts run to completion under one mutex: no late copy can exist, so
+    /// abandoning is releasing.
+    async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+        self.release(key, token).await
+    }
+
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
         let mut st = self.state();
         let event = match st.events.get(key).and_then(Weak::upgrade) {

@@ -22,6 +22,11 @@ use crate::token::{LeaseKey, Token};
 /// Leases extended by one script call; bigger batches are split and the calls pipelined.
 const EXTEND_CHUNK: usize = 256;
 
+/// How long an abandoned attempt's token stays barred. A late copy of an attempt arrives
+/// after a reconnect (seconds); this leaves a wide margin at the cost of one sorted-set entry
+/// per abandoned attempt.
+const TOMBSTONE: Duration = Duration::from_secs(300);
+
 /// Connection settings for [`RedisBackend::connect_with`].
 ///
 /// ```
@@ -156,14 +161,14 @@ fn parse_url(url: &str) -> Result<Config> {
                 )));
             }
         }
-        other => {
-            return Err(Error::invalid(format!(
-                "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
-            )))
-        }
+        other => return Err(Error::invalid(format!(
+            "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
+        ))),
     }
     let authority = rest.split(['/', '?']).next().unwrap_or_default();
-    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
     if host.is_empty() || host.starts_with(':') {
         return Err(Error::invalid("Redis URL has no host"));
     }
@@ -200,9 +205,7 @@ impl RedisBackend {
                 };
             });
         let client = builder.build().map_err(Error::backend)?;
-        let subscriber = builder
-            .build_subscriber_client()
-            .map_err(Error::backend)?;
+        let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
         compat(client.init()).await.map_err(Error::backend)?;
         Ok(RedisBackend {
             inner: Arc::new(Inner {
@@ -227,7 +230,12 @@ impl RedisBackend {
         &self.inner.client
     }
 
-    async fn eval<R: FromValue>(&self, script: &Script, keys: Vec<Key>, args: Vec<Value>) -> Result<R> {
+    async fn eval<R: FromValue>(
+        &self,
+        script: &Script,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<R> {
         compat(script.evalsha_with_reload(&self.inner.client, keys, args))
             .await
             .map_err(Error::backend)
@@ -238,7 +246,25 @@ impl RedisBackend {
             key.as_str().into(),
             key.derived("fence").into(),
             key.derived("waiters").into(),
+            key.derived("abandoned").into(),
         ]
+    }
+
+    async fn release_script(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        tombstone: Duration,
+    ) -> Result<bool> {
+        let args: Vec<Value> = vec![
+            token.as_str().into(),
+            key.derived("released").into(),
+            ms(tombstone).into(),
+        ];
+        let n: i64 = self
+            .eval(&self.inner.scripts.release, Self::lease_keys(key), args)
+            .await?;
+        Ok(n == 1)
     }
 
     /// Splits a batch into script calls of at most [`EXTEND_CHUNK`] leases, per hash slot on
@@ -322,11 +348,11 @@ impl Backend for RedisBackend {
     }
 
     async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        let args: Vec<Value> = vec![token.as_str().into(), key.derived("released").into()];
-        let n: i64 = self
-            .eval(&self.inner.scripts.release, Self::lease_keys(key), args)
-            .await?;
-        Ok(n == 1)
+        self.release_script(key, token, Duration::ZERO).await
+    }
+
+    async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+        self.release_script(key, token, TOMBSTONE).await
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {

@@ -1,8 +1,12 @@
 -- Acquire a lease: SET NX PX, or report "already ours" when a replayed attempt finds our
 -- own token; mint a fencing token on a new grant.
 -- KEYS[1] lease key   KEYS[2] fence hash {f = last token, r = last released lease}
--- KEYS[3] waiters flag
+-- KEYS[3] waiters flag   KEYS[4] abandoned tokens (sorted set, see release.lua)
 -- ARGV[1] token   ARGV[2] ttl (ms)   ARGV[3] waiters-flag ttl (ms), 0 when not waiting
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+  -- A late copy of an attempt that was given up and cleaned up already: never grant it.
+  return {0, redis.call('PTTL', KEYS[1])}
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   -- The fence never goes backwards: at least last + 1, and at least the server's clock in
   -- microseconds, so a restarted server without persistence still hands out larger tokens.

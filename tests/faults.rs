@@ -1,0 +1,1267 @@
+//! Fault injection against real `redis-server` processes: a paused server (SIGSTOP), a
+//! killed and restarted server (no persistence), killed client connections (CLIENT KILL),
+//! keys tampered with behind a holder's back, expired holders racing the next owner (the
+//! seeds' DEL and GETSET races), replayed commands and dropped `acquire()` futures.
+//!
+//! Every wait is bounded: a hang is a failure, never a stuck test run.
+
+mod support;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::future::{self, Either};
+use redlease::{
+    Acquire, Backend, Error, Lease, LeaseKey, LockGuard, LockManager, LockOptions, RedisBackend,
+    RedisOptions, Token,
+};
+use support::{sleep_async, wait_for_async, Checker, Conn, RedisServer};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// Short timeouts, so that faults surface within a fraction of a second.
+fn redis_opts() -> RedisOptions {
+    RedisOptions::new()
+        .command_timeout(ms(200))
+        .connect_timeout(ms(300))
+}
+
+/// A backend with its own connections to `srv`.
+async fn backend(srv: &RedisServer) -> RedisBackend {
+    RedisBackend::connect_with(&srv.url(), redis_opts())
+        .await
+        .unwrap_or_else(|e| panic!("connect to {}: {e}", srv.url()))
+}
+
+/// A manager with its own backend (own connections, own watchdog).
+async fn manager(srv: &RedisServer, opts: LockOptions) -> LockManager {
+    LockManager::with_options(backend(srv).await, opts).expect("valid options")
+}
+
+/// The value under `key`, `None` if absent.
+fn get(srv: &RedisServer, key: &str) -> Option<String> {
+    srv.cmd(&["GET", key]).as_str()
+}
+
+fn exists(srv: &RedisServer, key: &str) -> bool {
+    srv.cmd(&["EXISTS", key]).as_int() == Some(1)
+}
+
+/// PTTL of `key` in ms (-2 absent, -1 no expiry).
+fn pttl(srv: &RedisServer, key: &str) -> i64 {
+    srv.cmd(&["PTTL", key])
+        .as_int()
+        .unwrap_or_else(|| panic!("PTTL {key} did not return an integer"))
+}
+
+/// Subscribers of `channel` on the server (PUBSUB NUMSUB).
+fn numsub(srv: &RedisServer, channel: &str) -> i64 {
+    let r = srv.cmd(&["PUBSUB", "NUMSUB", channel]);
+    r.as_array()
+        .and_then(|a| a.get(1))
+        .and_then(|n| n.as_int())
+        .unwrap_or_else(|| panic!("PUBSUB NUMSUB replied {r:?}"))
+}
+
+/// Retries `try_acquire` (bounded) until it succeeds, accepting backend errors meanwhile
+/// (a reconnect in progress); `Ok(None)` is accepted too while `allow_held`.
+async fn try_acquire_until_ok(
+    lock: &redlease::Lock,
+    within: Duration,
+    allow_held: bool,
+) -> LockGuard {
+    let deadline = Instant::now() + within;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let attempt = tokio::time::timeout(secs(5), lock.try_acquire())
+            .await
+            .expect("try_acquire must never hang");
+        match attempt {
+            Ok(Some(g)) => return g,
+            Ok(None) => {
+                assert!(allow_held, "{}: nobody should hold the lock", lock.name());
+                last = "held".into();
+            }
+            Err(e @ Error::Backend { .. }) => last = e.to_string(),
+            Err(e) => panic!("{}: unexpected error {e}", lock.name()),
+        }
+        // Bounded polling of a reconnecting client, not synchronisation.
+        tokio::time::sleep(ms(20)).await;
+    }
+    panic!(
+        "{}: could not acquire within {within:?}; last outcome: {last}",
+        lock.name()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Holder paused past its TTL.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_server_makes_the_holder_lost_at_its_deadline_and_its_late_calls_never_touch_the_next_owner(
+) {
+    let srv = RedisServer::start();
+    let ttl = ms(300);
+    let interval = ttl / 3;
+    let a = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let b = manager(&srv, LockOptions::new().ttl(secs(5))).await;
+    let lock_a = a.lock("paused-holder");
+    let key = lock_a.key().as_str().to_string();
+    let stale = lock_a.acquire_timeout(secs(2)).await.expect("A acquires");
+    // The watchdog is running for it.
+    assert!(
+        wait_for_async(secs(2), || a.watchdog_stats().extended >= 1).await,
+        "the watchdog never extended A's lease: {:?}",
+        a.watchdog_stats()
+    );
+
+    let lost = stale.lost();
+    srv.pause();
+    let paused_at = Instant::now();
+    let deadline_after_pause = stale.valid_until();
+    let waited = tokio::time::timeout(secs(3), lost).await;
+    let lost_at = Instant::now();
+    srv.resume();
+    assert!(
+        waited.is_ok(),
+        "lost() did not resolve within 3 s of pausing the server (ttl {ttl:?})"
+    );
+    assert!(stale.is_lost());
+    // Nothing refused the lease: it is lost by its deadline, not before, and promptly.
+    let final_deadline = stale.valid_until();
+    assert!(
+        lost_at >= deadline_after_pause && lost_at >= final_deadline,
+        "reported lost {:?} before its deadline",
+        final_deadline.saturating_duration_since(lost_at)
+    );
+    assert!(
+        lost_at - final_deadline <= interval + ms(150),
+        "lost() resolved {:?} after the deadline (more than one watchdog tick {interval:?})",
+        lost_at - final_deadline
+    );
+    assert!(
+        lost_at - paused_at <= ttl + ms(200),
+        "lost() took {:?} after the pause with ttl {ttl:?}",
+        lost_at - paused_at
+    );
+
+    // After resume, the next owner (own connection) gets the lock once the lease ran out.
+    let lock_b = b.lock("paused-holder");
+    let owner = tokio::time::timeout(secs(5), lock_b.acquire_timeout(secs(4)))
+        .await
+        .expect("B's acquire must not hang")
+        .expect("B acquires the lock after the paused holder's lease ran out");
+    let owner_value = get(&srv, &key).expect("B's lease is on the server");
+    assert!(owner.fencing_token() > stale.fencing_token());
+
+    // A's client reconnects (its socket looked dead while the server was stopped); make
+    // sure it talks to the server again, so the calls below reach it.
+    let probe = try_acquire_until_ok(&a.lock("paused-holder-probe"), secs(5), false).await;
+    probe.release().await.expect("probe release");
+
+    let pttl_before = pttl(&srv, &key);
+    match stale.extend(secs(60)).await {
+        Err(Error::NotHeld) => {}
+        other => panic!("stale extend must be NotHeld, got {other:?}"),
+    }
+    match stale.release().await {
+        Err(Error::NotHeld) => {}
+        other => panic!("stale release must be NotHeld, got {other:?}"),
+    }
+    assert_eq!(
+        get(&srv, &key).as_deref(),
+        Some(owner_value.as_str()),
+        "the stale holder's calls touched the new owner's lease"
+    );
+    let pttl_after = pttl(&srv, &key);
+    assert!(
+        pttl_after > 0 && pttl_after <= pttl_before.max(5000),
+        "new owner's TTL changed by the stale holder: {pttl_before} -> {pttl_after}"
+    );
+    assert!(!owner.is_lost());
+    owner.release().await.expect("the new owner releases");
+    assert!(!exists(&srv, &key));
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. The seeds' DEL race and GETSET race: an expired holder racing the next owner.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() {
+    let srv = RedisServer::start();
+    let a = manager(&srv, LockOptions::new().ttl(ms(200)).watchdog(false)).await;
+    let b = manager(&srv, LockOptions::new().ttl(secs(5)).watchdog(false)).await;
+    let lock_a = a.lock("seed-del-race");
+    let lock_b = b.lock("seed-del-race");
+    let key = lock_a.key().as_str().to_string();
+
+    let ga = lock_a
+        .try_acquire()
+        .await
+        .expect("A's attempt")
+        .expect("the lock is free");
+    let a_value = get(&srv, &key).expect("A's lease is on the server");
+    // A stalls; its lease runs out on the server.
+    assert!(
+        wait_for_async(secs(3), || !exists(&srv, &key)).await,
+        "A's lease never expired"
+    );
+    assert!(
+        ga.is_lost(),
+        "A's local deadline passed before the key expired"
+    );
+    let gb = lock_b
+        .try_acquire()
+        .await
+        .expect("B's attempt")
+        .expect("B acquires the expired lock");
+    let b_value = get(&srv, &key).expect("B's lease is on the server");
+    assert_ne!(a_value, b_value);
+    let pttl_before = pttl(&srv, &key);
+
+    // GETSET-race analogue: A's late extend does not extend B's lease.
+    match ga.extend(secs(60)).await {
+        Err(Error::NotHeld) => {}
+        other => panic!("late extend must be NotHeld, got {other:?}"),
+    }
+    // DEL race: A's late release does not delete B's lease.
+    match ga.release().await {
+        Err(Error::NotHeld) => {}
+        other => panic!("late release must be NotHeld, got {other:?}"),
+    }
+    assert_eq!(get(&srv, &key).as_deref(), Some(b_value.as_str()));
+    let pttl_after = pttl(&srv, &key);
+    assert!(
+        pttl_after > 0 && pttl_after <= pttl_before,
+        "B's TTL moved: {pttl_before} -> {pttl_after}"
+    );
+    assert!(!gb.is_lost());
+    gb.release().await.expect("B releases");
+
+    // The same race at the store level, where the stale commands really reach Redis (the
+    // guard above may refuse locally once it knows it is lost).
+    let raw = backend(&srv).await;
+    let key = LeaseKey::new("faults:", "seed-getset-race");
+    let (ta, tb) = (Token::random(), Token::random());
+    assert!(matches!(
+        raw.try_acquire(&key, &ta, ms(100), None)
+            .await
+            .expect("acquire A"),
+        Acquire::Acquired { .. }
+    ));
+    assert!(
+        wait_for_async(secs(3), || !exists(&srv, key.as_str())).await,
+        "A's raw lease never expired"
+    );
+    assert!(matches!(
+        raw.try_acquire(&key, &tb, secs(5), None)
+            .await
+            .expect("acquire B"),
+        Acquire::Acquired { .. }
+    ));
+    let pttl_before = pttl(&srv, key.as_str());
+    let extended = raw
+        .extend(&[Lease {
+            key: &key,
+            token: &ta,
+            ttl: secs(60),
+        }])
+        .await
+        .expect("stale extend runs");
+    assert_eq!(
+        extended,
+        vec![None],
+        "a stale token's extend must be refused"
+    );
+    assert!(
+        !raw.release(&key, &ta).await.expect("stale release runs"),
+        "a stale token's release must report false"
+    );
+    assert_eq!(get(&srv, key.as_str()).as_deref(), Some(tb.as_str()));
+    let pttl_after = pttl(&srv, key.as_str());
+    assert!(
+        pttl_after > 0 && pttl_after <= pttl_before,
+        "B's TTL moved: {pttl_before} -> {pttl_after}"
+    );
+    assert!(raw.release(&key, &tb).await.expect("B's release"));
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. The watchdog keeps a lease alive for 10x its TTL.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchdog_keeps_the_key_alive_for_ten_ttls_without_a_gap() {
+    let srv = RedisServer::start();
+    let ttl = ms(200);
+    let holder = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let rival = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let lock = holder.lock("long-hold");
+    let key = lock.key().as_str().to_string();
+    let guard = lock.acquire_timeout(secs(2)).await.expect("acquire");
+    let value = get(&srv, &key).expect("lease on the server");
+
+    // Watch the key from a separate thread on one raw connection, every ~2 ms.
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = {
+        let (stop, port, key) = (stop.clone(), srv.port(), key.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut conn = Conn::connect(port, secs(2)).expect("poller connects");
+            let (mut samples, mut misses, mut max_pttl) = (0u64, Vec::new(), 0i64);
+            let started = Instant::now();
+            while !stop.load(Ordering::SeqCst) {
+                let p = conn
+                    .cmd(&["PTTL", &key])
+                    .expect("PTTL")
+                    .as_int()
+                    .expect("PTTL is an integer");
+                samples += 1;
+                if p < 0 {
+                    misses.push(started.elapsed());
+                }
+                max_pttl = max_pttl.max(p);
+                std::thread::sleep(ms(2));
+            }
+            (samples, misses, max_pttl)
+        })
+    };
+
+    let rival_lock = rival.lock("long-hold");
+    let hold_started = Instant::now();
+    let mut checks = 0;
+    // Holding for ten TTLs is the thing under test: time must pass.
+    while hold_started.elapsed() < ttl * 10 {
+        tokio::time::sleep(ms(250)).await;
+        let attempt = rival_lock.try_acquire().await.expect("rival's attempt");
+        assert!(
+            attempt.is_none(),
+            "a rival acquired the lock after {:?} while it was held",
+            hold_started.elapsed()
+        );
+        assert!(
+            !guard.is_lost(),
+            "guard lost after {:?}",
+            hold_started.elapsed()
+        );
+        checks += 1;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let (samples, misses, max_pttl) = poller.await.expect("poller thread");
+    assert!(checks >= 7);
+    assert!(samples >= 100, "only {samples} samples of the key");
+    assert!(
+        misses.is_empty(),
+        "the key disappeared during the hold at {:?} (of {samples} samples)",
+        &misses[..misses.len().min(10)]
+    );
+    assert!(max_pttl <= 200, "PTTL {max_pttl} above the ttl");
+    assert_eq!(get(&srv, &key).as_deref(), Some(value.as_str()));
+    let stats = holder.watchdog_stats();
+    assert!(stats.extended >= 15, "too few extensions: {stats:?}");
+    assert_eq!(stats.lost, 0, "{stats:?}");
+    guard.release().await.expect("release after a long hold");
+    assert!(!exists(&srv, &key));
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. A refused extension marks the guard lost.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_extension_after_del_or_overwrite_marks_the_guard_lost_before_its_deadline() {
+    let srv = RedisServer::start();
+    let ttl = ms(500);
+    let interval = ttl / 3;
+    let m = manager(&srv, LockOptions::new().ttl(ttl)).await;
+
+    for (case, tamper) in [("DEL", false), ("overwrite", true)] {
+        let lock = m.lock(&format!("tampered-{case}"));
+        let key = lock.key().as_str().to_string();
+        let guard = lock.acquire_timeout(secs(2)).await.expect("acquire");
+        let lost = guard.lost();
+        if tamper {
+            assert!(srv.cmd(&["SET", &key, "intruder", "PX", "10000"]).is_ok());
+        } else {
+            assert_eq!(srv.cmd(&["DEL", &key]).as_int(), Some(1));
+        }
+        let tampered_at = Instant::now();
+        let deadline = guard.valid_until();
+        tokio::time::timeout(secs(3), lost)
+            .await
+            .unwrap_or_else(|_| panic!("{case}: lost() did not resolve within 3 s"));
+        let lost_at = Instant::now();
+        assert!(guard.is_lost(), "{case}");
+        // Refused at the next tick, not merely timed out at the deadline.
+        assert!(
+            lost_at < deadline,
+            "{case}: lost only {:?} after the deadline; a refused extension should be seen at \
+             the next watchdog tick ({interval:?})",
+            lost_at - deadline
+        );
+        assert!(
+            lost_at - tampered_at <= interval + ms(150),
+            "{case}: lost {:?} after tampering; watchdog interval {interval:?}",
+            lost_at - tampered_at
+        );
+        // The watchdog did not write the key back, and the lost guard's calls leave the
+        // intruder alone.
+        match guard.extend(ttl).await {
+            Err(Error::NotHeld) => {}
+            other => panic!("{case}: extend of a lost guard must be NotHeld, got {other:?}"),
+        }
+        match guard.release().await {
+            Err(Error::NotHeld) => {}
+            other => panic!("{case}: release of a lost guard must be NotHeld, got {other:?}"),
+        }
+        let expected = tamper.then(|| "intruder".to_string());
+        assert_eq!(get(&srv, &key), expected, "{case}");
+    }
+    assert_eq!(m.watchdog_stats().lost, 2, "{:?}", m.watchdog_stats());
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Redis killed and restarted.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_server_fails_calls_promptly_and_the_same_backend_reconnects_after_restart() {
+    let mut srv = RedisServer::start();
+    let ttl = ms(500);
+    let m = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let lock = m.lock("kill-restart");
+    let key = lock.key().as_str().to_string();
+    lock.try_acquire()
+        .await
+        .expect("attempt")
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+
+    // A guard held when the server dies is lost by its deadline.
+    let held = lock.acquire_timeout(secs(2)).await.expect("acquire");
+    let lost = held.lost();
+    srv.kill();
+    let killed_at = Instant::now();
+    tokio::time::timeout(secs(3), lost)
+        .await
+        .expect("a guard held on a dead server must be reported lost");
+    assert!(held.is_lost());
+    assert!(
+        killed_at.elapsed() <= ttl + ms(300),
+        "lost {:?} after the kill (ttl {ttl:?})",
+        killed_at.elapsed()
+    );
+
+    for _ in 0..3 {
+        let started = Instant::now();
+        let r = tokio::time::timeout(secs(5), lock.try_acquire())
+            .await
+            .expect("try_acquire hung on a dead server");
+        assert!(
+            matches!(r, Err(Error::Backend { .. })),
+            "try_acquire on a dead server: {r:?}"
+        );
+        assert!(started.elapsed() < secs(3), "took {:?}", started.elapsed());
+    }
+    let r = tokio::time::timeout(secs(5), lock.acquire_timeout(secs(2)))
+        .await
+        .expect("acquire hung on a dead server");
+    assert!(
+        matches!(r, Err(Error::Backend { .. } | Error::Timeout { .. })),
+        "acquire on a dead server: {r:?}"
+    );
+
+    srv.restart();
+    let g = try_acquire_until_ok(&lock, secs(10), false).await;
+    assert!(exists(&srv, &key), "the lease is on the restarted server");
+    assert!(g.fencing_token() > held.fencing_token());
+    // The watchdog works on the reconnected client too.
+    assert!(
+        wait_for_async(secs(2), || m.watchdog_stats().extended >= 2).await,
+        "{:?}",
+        m.watchdog_stats()
+    );
+    assert!(!g.is_lost());
+    g.release().await.expect("release after reconnect");
+    assert!(!exists(&srv, &key));
+    match held.release().await {
+        Err(Error::NotHeld) => {}
+        other => panic!("release of the guard lost with the old server: {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. Fencing tokens across a restart without persistence.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_strictly_increase_across_restarts_without_persistence() {
+    let mut srv = RedisServer::start();
+    let opts = LockOptions::new().ttl(secs(2));
+    let m = manager(&srv, opts.clone()).await;
+    let lock = m.lock("fence-restart");
+    let key = lock.key().clone();
+
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        let g = lock.try_acquire().await.expect("attempt").expect("free");
+        tokens.push(g.fencing_token());
+        g.release().await.expect("release");
+    }
+
+    srv.restart();
+    assert!(
+        !exists(&srv, &key.derived("fence")),
+        "the restarted server must be empty"
+    );
+    // Same backend, after its automatic reconnect.
+    let g = try_acquire_until_ok(&lock, secs(10), false).await;
+    tokens.push(g.fencing_token());
+    g.release().await.expect("release");
+    // A fresh backend.
+    let fresh = manager(&srv, opts.clone()).await;
+    let g = fresh
+        .lock("fence-restart")
+        .try_acquire()
+        .await
+        .expect("attempt")
+        .expect("free");
+    tokens.push(g.fencing_token());
+    g.release().await.expect("release");
+
+    // Once more, straight after a restart, on a brand-new connection.
+    srv.restart();
+    let fresh = manager(&srv, opts).await;
+    let g = fresh
+        .lock("fence-restart")
+        .try_acquire()
+        .await
+        .expect("attempt")
+        .expect("free");
+    tokens.push(g.fencing_token());
+    g.release().await.expect("release");
+
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "fencing tokens not strictly increasing across restarts: {tokens:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. Server paused (SIGSTOP): calls fail within the command timeout, then work again.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_server_fails_attempts_within_the_command_timeout_and_works_after_resume() {
+    let srv = RedisServer::start();
+    let m = manager(&srv, LockOptions::new().ttl(ms(300))).await;
+    let lock = m.lock("paused-attempts");
+    lock.try_acquire()
+        .await
+        .expect("attempt")
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+
+    srv.pause();
+    let mut outcomes = Vec::new();
+    for _ in 0..2 {
+        let started = Instant::now();
+        let r = tokio::time::timeout(secs(5), lock.try_acquire()).await;
+        let took = started.elapsed();
+        let Ok(r) = r else {
+            srv.resume();
+            panic!("try_acquire hung on a paused server");
+        };
+        outcomes.push((r.map(|g| g.is_some()), took));
+    }
+    let started = Instant::now();
+    let waiting = tokio::time::timeout(secs(5), lock.acquire_timeout(secs(3))).await;
+    let waiting_took = started.elapsed();
+    srv.resume();
+
+    for (r, took) in &outcomes {
+        assert!(
+            matches!(r, Err(Error::Backend { .. })),
+            "try_acquire on a paused server: {r:?}"
+        );
+        assert!(
+            *took < secs(2),
+            "try_acquire took {took:?} (command timeout 200 ms)"
+        );
+    }
+    let waiting = waiting.expect("acquire hung on a paused server");
+    assert!(
+        matches!(waiting, Err(Error::Backend { .. } | Error::Timeout { .. })),
+        "acquire on a paused server: {waiting:?}"
+    );
+    assert!(waiting_took < secs(4), "acquire took {waiting_took:?}");
+
+    let g = try_acquire_until_ok(&lock, secs(10), true).await;
+    assert!(!g.is_lost());
+    g.release().await.expect("release after resume");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_that_failed_on_a_paused_server_leave_no_orphan_lease_after_resume() {
+    let srv = RedisServer::start();
+    // Long TTL: an orphan would block everyone for 10 s, far past the bound below.
+    let m = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let lock = m.lock("paused-orphan");
+    let key = lock.key().as_str().to_string();
+    lock.try_acquire()
+        .await
+        .expect("attempt")
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+
+    srv.pause();
+    let r = tokio::time::timeout(secs(5), lock.try_acquire()).await;
+    // A waiting acquire cut short by its caller, while the server is still stopped.
+    let dropped = tokio::time::timeout(ms(50), lock.acquire()).await;
+    // Stay stopped long enough for the client to give up on its connection (the silent
+    // socket is dropped after twice the command timeout) and for the background clean-up
+    // to fail: the server runs the stale attempts only after resume.
+    tokio::time::sleep(ms(1000)).await;
+    srv.resume();
+    let r = r.expect("try_acquire hung on a paused server");
+    assert!(matches!(r, Err(Error::Backend { .. })), "{r:?}");
+    assert!(
+        dropped.is_err(),
+        "acquire on a paused server completed: {dropped:?}"
+    );
+
+    // The server now runs whatever reached it during the pause, and the client re-sends
+    // what was in flight once it has reconnected. Wait until the same client works again
+    // (so any re-sent command has been sent before this probe), then look for the orphan.
+    let probe = try_acquire_until_ok(&m.lock("paused-orphan-probe"), secs(5), false).await;
+    probe.release().await.expect("probe release");
+    let cleaned = wait_for_async(secs(3), || !exists(&srv, &key)).await;
+    assert!(
+        cleaned,
+        "an orphan lease from an attempt that failed on the paused server is left: value {:?}, \
+         PTTL {} ms (the lock is blocked for its whole TTL)",
+        get(&srv, &key),
+        pttl(&srv, &key)
+    );
+    let other = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let g = try_acquire_until_ok(&other.lock("paused-orphan"), secs(3), true).await;
+    g.release().await.expect("release");
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. Connections killed with CLIENT KILL.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_connections_do_not_lose_a_watched_guard() {
+    let srv = RedisServer::start();
+    let ttl = ms(500);
+    let m = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let lock = m.lock("client-kill-held");
+    let key = lock.key().as_str().to_string();
+    let guard = lock.acquire_timeout(secs(2)).await.expect("acquire");
+    let value = get(&srv, &key).expect("lease on the server");
+
+    let started = Instant::now();
+    let mut killed = 0;
+    // Several TTLs of killing: time passing is what is under test.
+    while started.elapsed() < ttl * 5 {
+        killed += srv.kill_clients();
+        if killed % 2 == 0 {
+            srv.kill_pubsub_clients();
+        }
+        assert!(
+            !guard.is_lost(),
+            "guard lost {:?} into the connection kills: {:?}",
+            started.elapsed(),
+            m.watchdog_stats()
+        );
+        tokio::time::sleep(ms(150)).await;
+    }
+    assert!(killed >= 5, "only {killed} connections were killed");
+    assert!(!guard.is_lost(), "{:?}", m.watchdog_stats());
+    assert_eq!(get(&srv, &key).as_deref(), Some(value.as_str()));
+    let p = pttl(&srv, &key);
+    assert!(p > 0, "PTTL {p}");
+    tokio::time::timeout(secs(3), guard.release())
+        .await
+        .expect("release hung after the kills")
+        .expect("release after the kills");
+    assert!(!exists(&srv, &key));
+}
+
+/// A waiter blocked in `acquire()` whose connections (normal and pub/sub) were killed is
+/// still woken by the release, through the re-subscribed channel, well before its
+/// fallback re-check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_by_the_release_after_its_pubsub_connection_was_killed() {
+    let srv = RedisServer::start();
+    // Long holder TTL: the waiter's fallback re-check would come only after 0.8-1 s.
+    let holder = manager(&srv, LockOptions::new().ttl(secs(5))).await;
+    let waiter_m = manager(&srv, LockOptions::new().ttl(secs(5))).await;
+    let lock = holder.lock("client-kill-waiter");
+    let key = lock.key().clone();
+    let channel = key.derived("released");
+
+    let guard = lock
+        .acquire_timeout(secs(2))
+        .await
+        .expect("holder acquires");
+    let waiter_lock = waiter_m.lock("client-kill-waiter");
+    let waiter = tokio::spawn(async move {
+        let r = waiter_lock.acquire_timeout(secs(6)).await;
+        (r, Instant::now())
+    });
+    srv.wait_until(secs(3), |s| {
+        numsub(s, &channel) >= 1 && exists(s, &key.derived("waiters"))
+    });
+
+    assert!(srv.kill_pubsub_clients() >= 1);
+    srv.kill_clients();
+    // The subscriber reconnects and re-subscribes on its own.
+    srv.wait_until(secs(3), |s| numsub(s, &channel) >= 1);
+    let release_started = Instant::now();
+    tokio::time::timeout(secs(3), guard.release())
+        .await
+        .expect("release hung after the kills")
+        .expect("holder releases");
+    let (r, acquired_at) = tokio::time::timeout(secs(8), waiter)
+        .await
+        .expect("the waiter never finished")
+        .expect("waiter task");
+    let g = r.expect("the waiter gets the lock");
+    let gap = acquired_at.saturating_duration_since(release_started);
+    assert!(
+        gap < ms(500),
+        "the waiter took {gap:?} after the release: not woken by pub/sub after the reconnect"
+    );
+    g.release().await.expect("waiter releases");
+}
+
+/// The release comes right after the kills, before the subscriber is back: the reconnect
+/// wake-up or the fallback re-check must still get the waiter the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_gets_the_lock_when_the_release_comes_while_its_connections_are_down() {
+    let srv = RedisServer::start();
+    let ttl = ms(500);
+    let holder = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let waiter_m = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let lock = holder.lock("client-kill-waiter-2");
+    let key = lock.key().clone();
+    let channel = key.derived("released");
+
+    let guard = lock
+        .acquire_timeout(secs(2))
+        .await
+        .expect("holder acquires");
+    let waiter_lock = waiter_m.lock("client-kill-waiter-2");
+    let waiter = tokio::spawn(async move { waiter_lock.acquire_timeout(secs(5)).await });
+    srv.wait_until(secs(3), |s| numsub(s, &channel) >= 1);
+
+    // Hold a little under the kills: the guard must survive them.
+    for _ in 0..3 {
+        srv.kill_pubsub_clients();
+        srv.kill_clients();
+        tokio::time::sleep(ms(100)).await;
+    }
+    assert!(!guard.is_lost(), "{:?}", holder.watchdog_stats());
+    srv.kill_pubsub_clients();
+    let release = tokio::time::timeout(secs(3), guard.release())
+        .await
+        .expect("release hung after the kills");
+    // The release may have to wait for the reconnect, but it must not fail the lease.
+    release.expect("holder releases");
+    let g = tokio::time::timeout(secs(7), waiter)
+        .await
+        .expect("the waiter hung")
+        .expect("waiter task")
+        .expect("the waiter gets the lock");
+    assert!(!g.is_lost());
+    g.release().await.expect("waiter releases");
+}
+
+/// A waiter blocked in `acquire()` with no wait limit, when the server dies under it:
+/// it fails with a backend error or gets the lock after the restart, but never hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_without_a_wait_limit_never_hangs_when_the_server_dies_and_comes_back() {
+    let mut srv = RedisServer::start();
+    let ttl = ms(500);
+    let holder = manager(&srv, LockOptions::new().ttl(ttl)).await;
+    let waiter_m = manager(&srv, LockOptions::new().ttl(ttl).wait_timeout(None)).await;
+    let lock = holder.lock("waiter-server-dies");
+    let channel = lock.key().derived("released");
+    let guard = lock
+        .acquire_timeout(secs(2))
+        .await
+        .expect("holder acquires");
+    let waiter_lock = waiter_m.lock("waiter-server-dies");
+    let waiter = tokio::spawn(async move { waiter_lock.acquire().await });
+    srv.wait_until(secs(3), |s| numsub(s, &channel) >= 1);
+
+    srv.kill();
+    // Down for a while (longer than the holder's TTL), then back, empty.
+    tokio::time::sleep(ms(800)).await;
+    srv.restart();
+    let outcome = tokio::time::timeout(secs(6), waiter)
+        .await
+        .expect("a waiter hung across a server restart")
+        .expect("waiter task");
+    match outcome {
+        Ok(g) => {
+            assert!(!g.is_lost());
+            g.release().await.expect("waiter releases");
+        }
+        Err(Error::Backend { .. }) => {}
+        Err(e) => panic!("unexpected waiter error: {e}"),
+    }
+    assert!(guard.is_lost(), "the holder's lease died with the server");
+}
+
+// ---------------------------------------------------------------------------------------
+// 9. Mutual exclusion with several managers while connections are killed.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_exclusion_holds_across_managers_while_connections_are_killed() {
+    const MANAGERS: usize = 4;
+    const TASKS: usize = 4;
+    const SECTIONS: usize = 200;
+    let srv = Arc::new(RedisServer::start());
+    let opts = LockOptions::new().ttl(ms(500));
+    let checker = Checker::new();
+    let entered = Arc::new(AtomicUsize::new(0));
+    let acquire_errors = Arc::new(AtomicUsize::new(0));
+    let release_errors = Arc::new(AtomicUsize::new(0));
+
+    let mut tasks = Vec::new();
+    for _ in 0..MANAGERS {
+        let m = manager(&srv, opts.clone()).await;
+        for _ in 0..TASKS {
+            let lock = m.lock("contended");
+            let (checker, entered) = (checker.clone(), entered.clone());
+            let (acquire_errors, release_errors) = (acquire_errors.clone(), release_errors.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut mine = 0usize;
+                while entered.load(Ordering::SeqCst) < SECTIONS {
+                    let guard = match lock.acquire_timeout(secs(10)).await {
+                        Ok(g) => g,
+                        Err(Error::Backend { .. }) => {
+                            acquire_errors.fetch_add(1, Ordering::SeqCst);
+                            continue;
+                        }
+                        Err(e) => panic!("acquire failed: {e}"),
+                    };
+                    let section = checker.enter(guard.fencing_token());
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    mine += 1;
+                    // The hold time is the thing being simulated.
+                    tokio::time::sleep(ms(1)).await;
+                    assert!(
+                        !guard.is_lost(),
+                        "lease lost inside a 1 ms critical section"
+                    );
+                    section.exit();
+                    if guard.release().await.is_err() {
+                        release_errors.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                mine
+            }));
+        }
+    }
+
+    let killer = {
+        let srv = srv.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut kills = 0i64;
+            for i in 0..20 {
+                std::thread::sleep(ms(50));
+                kills += srv.kill_clients();
+                if i % 3 == 0 {
+                    kills += srv.kill_pubsub_clients();
+                }
+            }
+            kills
+        })
+    };
+
+    let all = tokio::time::timeout(secs(25), future::join_all(tasks))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "tasks did not finish: {} sections entered",
+                entered.load(Ordering::SeqCst)
+            )
+        });
+    let per_task: Vec<usize> = all.into_iter().map(|r| r.expect("task panicked")).collect();
+    let kills = killer.await.expect("killer thread");
+    checker.assert_ok();
+    assert!(
+        checker.sections() >= SECTIONS,
+        "{} sections",
+        checker.sections()
+    );
+    assert!(kills >= 20, "only {kills} connections killed");
+    eprintln!(
+        "mutual exclusion: {} sections, per task {per_task:?}, {kills} connections killed, \
+         {} acquire errors retried, {} release errors",
+        checker.sections(),
+        acquire_errors.load(Ordering::SeqCst),
+        release_errors.load(Ordering::SeqCst)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 10. Replayed commands are idempotent for the same token.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token() {
+    let srv = RedisServer::start();
+    let b = backend(&srv).await;
+    let key = LeaseKey::new("faults:", "replay");
+    let ttl = secs(5);
+    let t = Token::random();
+
+    let first = b.try_acquire(&key, &t, ttl, None).await.expect("acquire");
+    let replay = b
+        .try_acquire(&key, &t, ttl, None)
+        .await
+        .expect("replayed acquire");
+    let (
+        Acquire::Acquired {
+            fencing_token: f1, ..
+        },
+        Acquire::Acquired {
+            fencing_token: f2, ..
+        },
+    ) = (&first, &replay)
+    else {
+        panic!("a replayed acquire must report Acquired: {first:?}, then {replay:?}");
+    };
+    assert_eq!(f1, f2, "a replay must not mint a new fencing token");
+    assert_eq!(get(&srv, key.as_str()).as_deref(), Some(t.as_str()));
+
+    let other = Token::random();
+    assert!(matches!(
+        b.try_acquire(&key, &other, ttl, None).await.expect("rival"),
+        Acquire::Held { .. }
+    ));
+
+    let lease = [Lease {
+        key: &key,
+        token: &t,
+        ttl,
+    }];
+    assert!(b.extend(&lease).await.expect("extend")[0].is_some());
+    assert!(b.extend(&lease).await.expect("replayed extend")[0].is_some());
+
+    assert!(b.release(&key, &t).await.expect("release"));
+    assert!(
+        b.release(&key, &t).await.expect("replayed release"),
+        "a replayed release must still report true"
+    );
+    assert!(!exists(&srv, key.as_str()));
+    assert_eq!(
+        b.extend(&lease).await.expect("extend after release"),
+        vec![None],
+        "extend after release must be refused"
+    );
+    assert!(
+        !exists(&srv, key.as_str()),
+        "extend after release recreated the key"
+    );
+    assert!(
+        !b.release(&key, &other).await.expect("rival release"),
+        "a token that never held the lease must not report a release"
+    );
+
+    // The next owner gets a strictly greater fencing token; the old token's replays do not
+    // touch its lease.
+    match b
+        .try_acquire(&key, &other, ttl, None)
+        .await
+        .expect("next owner")
+    {
+        Acquire::Acquired { fencing_token, .. } => assert!(fencing_token > *f1),
+        held => panic!("the released lock must be free: {held:?}"),
+    }
+    assert_eq!(b.extend(&lease).await.expect("stale extend"), vec![None]);
+    let _ = b.release(&key, &t).await.expect("stale release runs");
+    assert_eq!(get(&srv, key.as_str()).as_deref(), Some(other.as_str()));
+    assert!(b.release(&key, &other).await.expect("release"));
+}
+
+/// fred re-sends a command that was in flight when its connection dropped, after the
+/// reconnect, even if the server ran it already and the caller gave up on it: a dropped
+/// `acquire()` then runs its clean-up first and the stale acquire second. The clean-up of an
+/// attempt whose outcome is unknown is `abandon`, and the acquire script must never grant a
+/// lease to an abandoned token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_acquire_arriving_after_it_was_abandoned_does_not_resurrect_the_lease() {
+    let srv = RedisServer::start();
+    let b = backend(&srv).await;
+    let key = LeaseKey::new("faults:", "replay-after-release");
+    let ttl = secs(10);
+    let t = Token::random();
+    assert!(matches!(
+        b.try_acquire(&key, &t, ttl, None).await.expect("acquire"),
+        Acquire::Acquired { .. }
+    ));
+    assert!(b
+        .abandon(&key, &t)
+        .await
+        .expect("abandon deletes the lease"));
+    let barred = key.derived("abandoned");
+    let ttl_left = pttl(&srv, &barred);
+    assert!(
+        ttl_left > 0 && ttl_left <= 300_000,
+        "the tombstone expires: PTTL {ttl_left}"
+    );
+    let replay = b
+        .try_acquire(&key, &t, ttl, None)
+        .await
+        .expect("replayed acquire");
+    let left = get(&srv, key.as_str());
+    assert!(
+        !matches!(replay, Acquire::Acquired { .. }) && left.is_none(),
+        "a replayed acquire after the abandon of the same token re-created the lease \
+         (reply {replay:?}, key now {left:?}, PTTL {} ms): an orphan for a whole TTL",
+        pttl(&srv, key.as_str())
+    );
+}
+
+/// The same, in the other order the server may see the two connections' commands: the
+/// clean-up release of an abandoned attempt runs before the attempt itself arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_acquire_arriving_after_its_clean_up_does_not_take_the_lease() {
+    let srv = RedisServer::start();
+    let b = backend(&srv).await;
+    let key = LeaseKey::new("faults:", "acquire-after-cleanup");
+    let ttl = secs(10);
+    let t = Token::random();
+    assert!(
+        !b.abandon(&key, &t).await.expect("clean-up abandon"),
+        "nothing was held yet"
+    );
+    let late = b
+        .try_acquire(&key, &t, ttl, None)
+        .await
+        .expect("late acquire");
+    let left = get(&srv, key.as_str());
+    assert!(
+        !matches!(late, Acquire::Acquired { .. }) && left.is_none(),
+        "an acquire arriving after its own clean-up release took the lease (reply {late:?}, \
+         key now {left:?}): an orphan for a whole TTL"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 11. Cancel safety: dropped acquire futures leave no orphan lease.
+// ---------------------------------------------------------------------------------------
+
+/// Ready at `at`; until then it wakes itself at once (a busy timer with microsecond
+/// resolution, unlike tokio's millisecond wheel), so `fut` beside it is dropped precisely.
+struct BusyUntil(Instant);
+
+impl Future for BusyUntil {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if Instant::now() >= self.0 {
+            Poll::Ready(())
+        } else {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+}
+
+/// Runs `fut` until `after` has passed; `None` (and `fut` dropped) if it had not finished.
+async fn drop_after<F: Future>(fut: F, after: Duration) -> Option<F::Output> {
+    let deadline = Instant::now() + after;
+    let fut = std::pin::pin!(fut);
+    match future::select(fut, BusyUntil(deadline)).await {
+        Either::Left((out, _)) => Some(out),
+        Either::Right(_) => None,
+    }
+}
+
+/// Polls `fut` until it has returned `Pending` `pendings + 1` times, then drops it; or
+/// returns its output if it finishes first.
+struct DropAfterPolls<F> {
+    fut: Pin<Box<F>>,
+    pendings: usize,
+}
+
+impl<F: Future> Future for DropAfterPolls<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.fut.as_mut().poll(cx) {
+            Poll::Ready(out) => Poll::Ready(Some(out)),
+            Poll::Pending if self.pendings == 0 => Poll::Ready(None),
+            Poll::Pending => {
+                self.pendings -= 1;
+                Poll::Pending
+            }
+        }
+    }
+}
+
+fn drop_after_polls<F: Future>(fut: F, pendings: usize) -> DropAfterPolls<F> {
+    DropAfterPolls {
+        fut: Box::pin(fut),
+        pendings,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_acquire_futures_leave_no_orphan_lease_on_a_free_lock() {
+    let srv = RedisServer::start();
+    // Long TTL: an orphan would stay visible for the whole test.
+    let m = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let lock = m.lock("cancel-free");
+    let key = lock.key().as_str().to_string();
+    let (mut completed, mut dropped) = (0, 0);
+    let mut check = |what: String, outcome: Option<redlease::Result<LockGuard>>| {
+        match outcome {
+            Some(Ok(g)) => {
+                completed += 1;
+                drop(g);
+            }
+            Some(Err(e)) => panic!("{what}: acquire of a free lock failed: {e}"),
+            None => dropped += 1,
+        }
+        what
+    };
+
+    // Dropped after each successive poll.
+    for pendings in 0..6 {
+        for timed in [false, true] {
+            let outcome = if timed {
+                drop_after_polls(lock.acquire_timeout(secs(5)), pendings).await
+            } else {
+                drop_after_polls(lock.acquire(), pendings).await
+            };
+            let what = check(format!("dropped after {} polls", pendings + 1), outcome);
+            assert!(
+                wait_for_async(secs(3), || !exists(&srv, &key)).await,
+                "{what}: orphan lease left, PTTL {} ms",
+                pttl(&srv, &key)
+            );
+        }
+    }
+    // Dropped at points in time, 25 us apart.
+    for step in 0..40u64 {
+        let after = Duration::from_micros(step * 25);
+        let outcome = if step % 2 == 0 {
+            drop_after(lock.acquire(), after).await
+        } else {
+            drop_after(lock.acquire_timeout(secs(5)), after).await
+        };
+        let what = check(format!("dropped after {after:?}"), outcome);
+        assert!(
+            wait_for_async(secs(3), || !exists(&srv, &key)).await,
+            "{what}: orphan lease left, PTTL {} ms",
+            pttl(&srv, &key)
+        );
+    }
+    // acquire_timeout's own timer cutting the attempt short.
+    for step in 0..10u64 {
+        match lock
+            .acquire_timeout(Duration::from_micros(step * 200))
+            .await
+        {
+            Ok(g) => drop(g),
+            Err(Error::Timeout { .. }) => {}
+            Err(e) => panic!("unexpected error {e}"),
+        }
+        assert!(
+            wait_for_async(secs(3), || !exists(&srv, &key)).await,
+            "acquire_timeout({:?}) left an orphan lease",
+            Duration::from_micros(step * 200)
+        );
+    }
+    eprintln!("cancel on a free lock: {completed} completed, {dropped} dropped");
+    assert!(dropped >= 10, "only {dropped} futures were dropped mid-way");
+    // Nothing reappears later (a delayed or replayed command).
+    let other = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let g = other
+        .lock("cancel-free")
+        .try_acquire()
+        .await
+        .expect("attempt")
+        .expect("no orphan lease blocks another manager");
+    g.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_acquire_futures_leave_no_orphan_lease_when_the_holder_releases_during_the_wait() {
+    let srv = RedisServer::start();
+    let opts = LockOptions::new().ttl(secs(10));
+    let holder = manager(&srv, opts.clone()).await;
+    let waiter_m = manager(&srv, opts).await;
+    let lock = holder.lock("cancel-contended");
+    let waiter_lock = waiter_m.lock("cancel-contended");
+    let key = lock.key().as_str().to_string();
+    let (mut completed, mut dropped) = (0, 0);
+
+    for step in 0..24u64 {
+        let guard = lock
+            .acquire_timeout(secs(3))
+            .await
+            .expect("holder acquires");
+        // The holder releases after `release_after`; the waiter is dropped around then.
+        let release_after = ms(3);
+        let drop_after_d = release_after + Duration::from_micros(step * 150) - ms(1);
+        let releaser = tokio::spawn(async move {
+            sleep_async(release_after).await;
+            guard.release().await
+        });
+        let outcome = drop_after(waiter_lock.acquire(), drop_after_d).await;
+        releaser
+            .await
+            .expect("releaser task")
+            .expect("holder releases");
+        match outcome {
+            Some(Ok(g)) => {
+                completed += 1;
+                drop(g);
+            }
+            Some(Err(e)) => panic!("waiter failed: {e}"),
+            None => dropped += 1,
+        }
+        let gone = wait_for_async(secs(3), || !exists(&srv, &key)).await;
+        assert!(
+            gone,
+            "step {step} (dropped after {drop_after_d:?}): orphan lease left, PTTL {} ms",
+            pttl(&srv, &key)
+        );
+    }
+    eprintln!("cancel while contended: {completed} completed, {dropped} dropped");
+    assert!(dropped > 0, "no waiter was dropped mid-way");
+    let g = lock
+        .try_acquire()
+        .await
+        .expect("attempt")
+        .expect("no orphan lease blocks the lock");
+    g.release().await.expect("release");
+}
