@@ -24,7 +24,9 @@ async fn main() -> redlease::Result<()> {
         Err(e @ redlease::Error::InvalidConfig(_)) => return Err(e),
         Err(e) => {
             println!("no Redis answered at {url} ({e});");
-            println!("running on the in-process MemoryBackend instead (same API, one process only)");
+            println!(
+                "running on the in-process MemoryBackend instead (same API, one process only)"
+            );
             Arc::new(MemoryBackend::new())
         }
     };
@@ -54,7 +56,10 @@ async fn main() -> redlease::Result<()> {
     // Contention is not an error: try_acquire says None.
     let held = locks.lock("quickstart:report").acquire().await?;
     let other = locks.lock("quickstart:report").try_acquire().await?;
-    println!("while held, try_acquire gives {:?}", other.map(|g| g.fencing_token()));
+    println!(
+        "while held, try_acquire gives {:?}",
+        other.map(|g| g.fencing_token())
+    );
     drop(held); // released in the background
     println!("done");
     Ok(())

@@ -78,6 +78,8 @@
 //! | `async-std` | no | async-std executor when not inside tokio (and smol is off) |
 //! | `tls` | no | `rediss://` URLs (rustls); without it they are refused, never sent in plain text |
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// No unwrap on I/O paths: errors are returned; the few `expect`s state an invariant.
+#![warn(clippy::unwrap_used)]
 
 mod backend;
 mod error;

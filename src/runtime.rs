@@ -11,7 +11,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use async_compat::Compat;
-use futures::future::{self, Either, FutureExt};
+use futures::future::{self, Either};
 
 #[cfg(not(any(feature = "tokio", feature = "async-std", feature = "smol")))]
 compile_error!(
@@ -26,7 +26,8 @@ pub(crate) enum Rt {
     Tokio(tokio::runtime::Handle),
     #[cfg(feature = "smol")]
     Smol,
-    #[cfg(feature = "async-std")]
+    // With smol also on, smol takes precedence and this variant is never built.
+    #[cfg(all(feature = "async-std", not(feature = "smol")))]
     AsyncStd,
 }
 
@@ -62,7 +63,7 @@ impl Rt {
             }
             #[cfg(feature = "smol")]
             Rt::Smol => smol::spawn(Compat::new(fut)).detach(),
-            #[cfg(feature = "async-std")]
+            #[cfg(all(feature = "async-std", not(feature = "smol")))]
             Rt::AsyncStd => {
                 drop(async_std::task::spawn(Compat::new(fut)));
             }
@@ -72,7 +73,9 @@ impl Rt {
 
 /// The private tokio runtime (async-compat's fallback, one thread), used when the caller runs
 /// no tokio runtime.
+#[cfg(not(any(feature = "smol", feature = "async-std")))]
 fn fallback_handle() -> tokio::runtime::Handle {
+    use futures::FutureExt;
     Compat::new(future::lazy(|_| tokio::runtime::Handle::current()))
         .now_or_never()
         .expect("a lazy future is ready on its first poll")

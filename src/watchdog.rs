@@ -112,7 +112,9 @@ struct Entry {
 struct Registry {
     entries: HashMap<u64, Entry>,
     next_id: u64,
-    running: bool,
+    /// The generation of the live task, if one runs.
+    running: Option<u64>,
+    generations: u64,
     stats: WatchdogStats,
 }
 
@@ -174,9 +176,16 @@ impl Watchdog {
             },
         );
         reg.stats.leases = reg.entries.len();
-        if !reg.running {
-            reg.running = true;
-            rt.spawn(run(self.shared.clone()));
+        if reg.running.is_none() {
+            reg.generations += 1;
+            let generation = reg.generations;
+            reg.running = Some(generation);
+            // The guard is made here, not inside `run`: a task dropped before its first poll
+            // (its runtime shut down) must still clear `running`.
+            rt.spawn(run(Running {
+                shared: self.shared.clone(),
+                generation,
+            }));
         }
         drop(reg);
         self.shared.wake.notify(1);
@@ -210,7 +219,25 @@ struct Due {
     ttl: Duration,
 }
 
-async fn run(shared: Arc<Shared>) {
+/// Owned by the watchdog task: clears `running` when the task ends for any reason (its
+/// runtime shut down, say), so the next registration starts a new task. The generation
+/// keeps a finished task from clearing the mark of a newer one.
+struct Running {
+    shared: Arc<Shared>,
+    generation: u64,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut reg = self.shared.registry();
+        if reg.running == Some(self.generation) {
+            reg.running = None;
+        }
+    }
+}
+
+async fn run(running: Running) {
+    let shared = &running.shared;
     loop {
         let wake = shared.wake.listen();
         let now = Instant::now();
@@ -223,7 +250,9 @@ async fn run(shared: Arc<Shared>) {
             reg.stats.lost += (before - reg.entries.len()) as u64;
             reg.stats.leases = reg.entries.len();
             let Some(first_due) = reg.entries.values().map(|e| e.next_due).min() else {
-                reg.running = false;
+                // Cleared under the lock that saw the registry empty: a registration after it
+                // starts a new task.
+                reg.running = None;
                 return;
             };
             // A round starts when the first lease is due, and takes along every lease due

@@ -5,7 +5,9 @@ mod support;
 
 use std::time::Duration;
 
-use redlease::{Error, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions, RetryPolicy};
+use redlease::{
+    Error, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions, RetryPolicy,
+};
 use support::RedisServer;
 
 fn invalid_message(r: redlease::Result<impl std::fmt::Debug>) -> String {
@@ -21,29 +23,44 @@ fn bad_options_are_named() {
         (LockOptions::new().ttl(Duration::ZERO), "ttl"),
         (LockOptions::new().ttl(Duration::from_millis(3)), "ttl"),
         (
-            LockOptions::new().ttl(Duration::from_secs(1)).watchdog_interval(Duration::from_secs(1)),
+            LockOptions::new()
+                .ttl(Duration::from_secs(1))
+                .watchdog_interval(Duration::from_secs(1)),
             "watchdog interval",
         ),
         (
-            LockOptions::new().ttl(Duration::from_secs(1)).watchdog_interval(Duration::from_secs(5)),
+            LockOptions::new()
+                .ttl(Duration::from_secs(1))
+                .watchdog_interval(Duration::from_secs(5)),
             "watchdog interval",
         ),
         (
-            LockOptions::new().ttl(Duration::from_secs(1)).watchdog_interval(Duration::from_millis(600)),
+            LockOptions::new()
+                .ttl(Duration::from_secs(1))
+                .watchdog_interval(Duration::from_millis(600)),
             "half the ttl",
         ),
-        (LockOptions::new().watchdog_interval(Duration::ZERO), "watchdog interval"),
+        (
+            LockOptions::new().watchdog_interval(Duration::ZERO),
+            "watchdog interval",
+        ),
         (LockOptions::new().key_prefix("app:{x}:"), "key prefix"),
         (
             LockOptions::new().retry(RetryPolicy::polling().min_delay(Duration::from_secs(2))),
             "min_delay",
         ),
-        (LockOptions::new().retry(RetryPolicy::notify().max_delay(Duration::ZERO)), "retry"),
+        (
+            LockOptions::new().retry(RetryPolicy::notify().max_delay(Duration::ZERO)),
+            "retry",
+        ),
     ];
     for (opts, needle) in cases {
         let msg = invalid_message(opts.validate());
         assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
-        let msg = invalid_message(LockManager::with_options(MemoryBackend::new(), opts.clone()));
+        let msg = invalid_message(LockManager::with_options(
+            MemoryBackend::new(),
+            opts.clone(),
+        ));
         assert!(msg.contains(needle), "{msg:?}");
     }
 }
@@ -74,10 +91,17 @@ async fn bad_urls_are_rejected_before_connecting() {
         ("redis://127.0.0.1:99999", "malformed"),
     ] {
         let msg = invalid_message(RedisBackend::connect(url).await);
-        assert!(msg.contains(needle), "{url:?}: {msg:?} should mention {needle:?}");
+        assert!(
+            msg.contains(needle),
+            "{url:?}: {msg:?} should mention {needle:?}"
+        );
     }
     let msg = invalid_message(
-        RedisBackend::connect_with("redis://127.0.0.1", RedisOptions::new().command_timeout(Duration::ZERO)).await,
+        RedisBackend::connect_with(
+            "redis://127.0.0.1",
+            RedisOptions::new().command_timeout(Duration::ZERO),
+        )
+        .await,
     );
     assert!(msg.contains("timeout"), "{msg}");
 }
@@ -98,9 +122,12 @@ async fn rediss_with_the_tls_feature_speaks_tls() {
     let srv = RedisServer::start();
     let url = format!("rediss://127.0.0.1:{}", srv.port());
     let opts = RedisOptions::new().connect_timeout(Duration::from_millis(500));
-    let result = tokio::time::timeout(Duration::from_secs(10), RedisBackend::connect_with(&url, opts))
-        .await
-        .expect("connect must not hang");
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        RedisBackend::connect_with(&url, opts),
+    )
+    .await
+    .expect("connect must not hang");
     assert!(matches!(result, Err(Error::Backend { .. })), "{result:?}");
 }
 
@@ -110,9 +137,12 @@ async fn unreachable_server_fails_within_the_connect_timeout() {
     let url = srv.url();
     drop(srv); // nothing listens there now
     let opts = RedisOptions::new().connect_timeout(Duration::from_millis(300));
-    let result = tokio::time::timeout(Duration::from_secs(10), RedisBackend::connect_with(&url, opts))
-        .await
-        .expect("connect must not hang");
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        RedisBackend::connect_with(&url, opts),
+    )
+    .await
+    .expect("connect must not hang");
     assert!(matches!(result, Err(Error::Backend { .. })), "{result:?}");
 }
 
@@ -126,9 +156,12 @@ async fn acl_user_in_the_url_authenticates() {
 
     let wrong = format!("redis://alice:nope@127.0.0.1:{}", srv.port());
     let opts = RedisOptions::new().connect_timeout(Duration::from_secs(1));
-    let result = tokio::time::timeout(Duration::from_secs(10), RedisBackend::connect_with(&wrong, opts))
-        .await
-        .expect("a wrong password must fail, not hang");
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        RedisBackend::connect_with(&wrong, opts),
+    )
+    .await
+    .expect("a wrong password must fail, not hang");
     assert!(matches!(result, Err(Error::Backend { .. })), "{result:?}");
 }
 
@@ -141,8 +174,16 @@ async fn password_and_database_in_the_url_are_used() {
     let key = locks.lock("db").key().as_str().to_owned();
     let mut conn = srv.connect();
     conn.cmd(&["SELECT", "3"]).unwrap();
-    assert_eq!(conn.cmd(&["EXISTS", &key]).unwrap().as_int(), Some(1), "lease lives in db 3");
+    assert_eq!(
+        conn.cmd(&["EXISTS", &key]).unwrap().as_int(),
+        Some(1),
+        "lease lives in db 3"
+    );
     conn.cmd(&["SELECT", "0"]).unwrap();
-    assert_eq!(conn.cmd(&["EXISTS", &key]).unwrap().as_int(), Some(0), "not in db 0");
+    assert_eq!(
+        conn.cmd(&["EXISTS", &key]).unwrap().as_int(),
+        Some(0),
+        "not in db 0"
+    );
     g.release().await.unwrap();
 }

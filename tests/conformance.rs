@@ -73,7 +73,10 @@ async fn contention_is_none_not_an_error(store: Store) {
     let b = store.manager(opts()).await;
     let _held = a.lock("c").acquire().await.unwrap();
     assert!(b.lock("c").try_acquire().await.unwrap().is_none());
-    assert!(a.lock("c").try_acquire().await.unwrap().is_none(), "not reentrant");
+    assert!(
+        a.lock("c").try_acquire().await.unwrap().is_none(),
+        "not reentrant"
+    );
     assert!(b.lock("other").try_acquire().await.unwrap().is_some());
 }
 
@@ -101,7 +104,11 @@ async fn fencing_tokens_strictly_increase(store: Store) {
     for i in 0..20 {
         let locks = if i % 2 == 0 { &a } else { &b };
         let g = locks.lock("f").acquire().await.unwrap();
-        assert!(g.fencing_token() > last, "{} after {last}", g.fencing_token());
+        assert!(
+            g.fencing_token() > last,
+            "{} after {last}",
+            g.fencing_token()
+        );
         last = g.fencing_token();
         if i % 3 == 0 {
             drop(g); // background release; the next acquire waits for it
@@ -114,16 +121,24 @@ async fn fencing_tokens_strictly_increase(store: Store) {
 /// The seeds' DEL race: A's lease expires, B takes the lock, A's late release must not
 /// delete B's lease (and A's late extend must not extend it).
 async fn late_release_and_extend_never_touch_the_next_owner(store: Store) {
-    let a = store.manager(opts().watchdog(false).ttl(Duration::from_millis(100))).await;
+    let a = store
+        .manager(opts().watchdog(false).ttl(Duration::from_millis(100)))
+        .await;
     let b = store.manager(opts()).await;
     let stale = a.lock("r").acquire().await.unwrap();
     within("A's lease to run out", stale.lost()).await;
     assert!(stale.is_lost());
     let owner = within("B to acquire", b.lock("r").acquire()).await.unwrap();
     assert!(owner.fencing_token() > stale.fencing_token());
-    assert!(matches!(stale.extend(Duration::from_secs(5)).await, Err(Error::NotHeld)));
+    assert!(matches!(
+        stale.extend(Duration::from_secs(5)).await,
+        Err(Error::NotHeld)
+    ));
     assert!(matches!(stale.release().await, Err(Error::NotHeld)));
-    assert!(b.lock("r").try_acquire().await.unwrap().is_none(), "B's lease must stand");
+    assert!(
+        b.lock("r").try_acquire().await.unwrap().is_none(),
+        "B's lease must stand"
+    );
     assert!(!owner.is_lost());
     owner.release().await.unwrap();
 }
@@ -154,7 +169,10 @@ async fn without_watchdog_the_lease_expires_and_lost_fires(store: Store) {
     let g = a.lock("x").acquire().await.unwrap();
     let deadline = g.valid_until();
     within("lost()", g.lost()).await;
-    assert!(Instant::now() >= deadline, "lost() fired before the deadline");
+    assert!(
+        Instant::now() >= deadline,
+        "lost() fired before the deadline"
+    );
     assert!(g.is_lost());
     // The lock is free for others once the server-side TTL runs out.
     let next = within("next owner", b.lock("x").acquire()).await.unwrap();
@@ -162,7 +180,9 @@ async fn without_watchdog_the_lease_expires_and_lost_fires(store: Store) {
 }
 
 async fn manual_extend_moves_the_deadline(store: Store) {
-    let a = store.manager(opts().watchdog(false).ttl(Duration::from_millis(200))).await;
+    let a = store
+        .manager(opts().watchdog(false).ttl(Duration::from_millis(200)))
+        .await;
     let g = a.lock("e").acquire().await.unwrap();
     let before = g.valid_until();
     g.extend(Duration::from_secs(5)).await.unwrap();
@@ -181,9 +201,8 @@ async fn waiter_is_woken_by_the_release(store: Store) {
     let a = store.manager(opts().ttl(Duration::from_secs(30))).await;
     let b = store.manager(opts().retry(slow_fallback)).await;
     let held = a.lock("h").acquire().await.unwrap();
-    let waiter = tokio::spawn(async move {
-        b.lock("h").acquire_timeout(Duration::from_secs(20)).await
-    });
+    let waiter =
+        tokio::spawn(async move { b.lock("h").acquire_timeout(Duration::from_secs(20)).await });
     // Let the waiter get past its first attempt and subscribe (no event to await for that).
     tokio::time::sleep(Duration::from_millis(100)).await;
     let released = Instant::now();
@@ -209,13 +228,18 @@ async fn drop_releases_in_the_background(store: Store) {
 /// holder's remaining TTL, not at a blind interval.
 async fn crashed_holder_frees_the_lock_by_ttl(store: Store) {
     let a = store.manager(opts().ttl(Duration::from_millis(200))).await;
-    let b = store.manager(opts().retry(RetryPolicy::notify().max_delay(Duration::from_secs(60)))).await;
+    let b = store
+        .manager(opts().retry(RetryPolicy::notify().max_delay(Duration::from_secs(60))))
+        .await;
     let crashed = a.lock("k").acquire().await.unwrap();
     let fence = crashed.forget(); // as if the process died: no release, no watchdog
     drop(a);
-    let g = within("acquire after the TTL", b.lock("k").acquire_timeout(Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let g = within(
+        "acquire after the TTL",
+        b.lock("k").acquire_timeout(Duration::from_secs(20)),
+    )
+    .await
+    .unwrap();
     assert!(g.fencing_token() > fence);
 }
 
@@ -293,8 +317,22 @@ async fn every_name_is_its_own_lock(store: Store) {
     let a = store.manager(opts()).await;
     let long = "n".repeat(10 * 1024);
     let names = [
-        "plain", "{", "}", "{}", "a}b", "a%7Db", "a%b", "%25", "{tag}", "}x{", "ключ", "鎖🔒",
-        "nul\0byte", "nul", " ", long.as_str(),
+        "plain",
+        "{",
+        "}",
+        "{}",
+        "a}b",
+        "a%7Db",
+        "a%b",
+        "%25",
+        "{tag}",
+        "}x{",
+        "ключ",
+        "鎖🔒",
+        "nul\0byte",
+        "nul",
+        " ",
+        long.as_str(),
     ];
     let mut guards = Vec::new();
     for n in names {
@@ -302,7 +340,10 @@ async fn every_name_is_its_own_lock(store: Store) {
         guards.push(g.unwrap_or_else(|| panic!("{n:?} collided with an earlier name")));
     }
     for n in names {
-        assert!(a.lock(n).try_acquire().await.unwrap().is_none(), "{n:?} not held");
+        assert!(
+            a.lock(n).try_acquire().await.unwrap().is_none(),
+            "{n:?} not held"
+        );
     }
 }
 

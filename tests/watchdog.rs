@@ -13,7 +13,9 @@ const LEASES: usize = 1000;
 /// Script calls the server has run (Redis counts the commands a script makes as commands
 /// too, so `total_commands_processed` would not show the batching).
 fn evalsha_calls(srv: &RedisServer) -> u64 {
-    let stat = srv.info_field("commandstats", "cmdstat_evalsha").unwrap_or_default();
+    let stat = srv
+        .info_field("commandstats", "cmdstat_evalsha")
+        .unwrap_or_default();
     stat.split(',')
         .find_map(|kv| kv.strip_prefix("calls="))
         .map_or(0, |n| n.parse().unwrap())
@@ -32,7 +34,8 @@ async fn hold_many(locks: &LockManager) -> Vec<redlease::LockGuard> {
 async fn thousand_leases_cost_a_few_round_trips_per_tick() {
     let srv = RedisServer::start();
     let opts = LockOptions::new().ttl(Duration::from_millis(900)); // extended every 300 ms
-    let locks = LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
+    let locks =
+        LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
     let guards = hold_many(&locks).await;
 
     let before = locks.watchdog_stats();
@@ -52,12 +55,21 @@ async fn thousand_leases_cost_a_few_round_trips_per_tick() {
         cmds as f64 / elapsed.as_secs_f64()
     );
     assert!(rounds >= 2, "the watchdog ran {rounds} rounds");
-    assert!(extended >= 2 * LEASES as u64, "every lease extended each round: {extended}");
+    assert!(
+        extended >= 2 * LEASES as u64,
+        "every lease extended each round: {extended}"
+    );
     // All leases ride in the same rounds...
-    assert!(extended / rounds >= LEASES as u64 / 2, "{extended} extensions in {rounds} rounds");
+    assert!(
+        extended / rounds >= LEASES as u64 / 2,
+        "{extended} extensions in {rounds} rounds"
+    );
     // ...and one round is ceil(1000 / 256) = 4 pipelined script calls, not 1000 (one more
     // round may straddle the start of the window).
-    assert!(cmds <= (rounds + 1) * 4, "{cmds} script calls for {rounds} rounds");
+    assert!(
+        cmds <= (rounds + 1) * 4,
+        "{cmds} script calls for {rounds} rounds"
+    );
     assert_eq!(after.leases, LEASES);
     assert!(guards.iter().all(|g| !g.is_lost()));
     // Every key is still there after 2+ TTLs.
@@ -67,7 +79,11 @@ async fn thousand_leases_cost_a_few_round_trips_per_tick() {
     drop(guards);
     let locks2 = locks.clone();
     assert!(
-        support::wait_for_async(Duration::from_secs(10), move || locks2.watchdog_stats().leases == 0).await,
+        support::wait_for_async(Duration::from_secs(10), move || locks2
+            .watchdog_stats()
+            .leases
+            == 0)
+        .await,
         "dropped guards leave the watchdog"
     );
 }
@@ -79,7 +95,10 @@ async fn memory_backend_batches_the_same_way() {
     let guards = hold_many(&locks).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     let s = locks.watchdog_stats();
-    assert!(s.rounds >= 1 && s.extended / s.rounds >= LEASES as u64 / 2, "{s:?}");
+    assert!(
+        s.rounds >= 1 && s.extended / s.rounds >= LEASES as u64 / 2,
+        "{s:?}"
+    );
     assert!(guards.iter().all(|g| !g.is_lost()));
 }
 
@@ -94,6 +113,10 @@ async fn watchdog_restarts_after_going_idle() {
         assert!(!g.is_lost(), "extended across 2.5 TTLs");
         g.release().await.unwrap();
         let l = locks.clone();
-        assert!(support::wait_for_async(Duration::from_secs(5), move || l.watchdog_stats().leases == 0).await);
+        assert!(
+            support::wait_for_async(Duration::from_secs(5), move || l.watchdog_stats().leases
+                == 0)
+            .await
+        );
     }
 }

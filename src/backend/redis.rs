@@ -161,9 +161,11 @@ fn parse_url(url: &str) -> Result<Config> {
                 )));
             }
         }
-        other => return Err(Error::invalid(format!(
+        other => {
+            return Err(Error::invalid(format!(
             "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
-        ))),
+        )))
+        }
     }
     let authority = rest.split(['/', '?']).next().unwrap_or_default();
     let host = authority

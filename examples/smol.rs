@@ -1,0 +1,68 @@
+//! redlease on smol: two tasks on smol's executor take turns on one lock.
+//!
+//! Build with the `smol` feature. fred (the Redis client) needs tokio underneath; redlease
+//! runs it on a private tokio thread, so the program itself only uses smol.
+//!
+//! Uses Redis at `REDIS_URL` (default `redis://127.0.0.1:6379`); when no server answers, it
+//! says so and runs on the in-process backend instead.
+//!
+//! ```text
+//! cargo run --example smol --no-default-features --features smol
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redlease::{Backend, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions};
+
+fn main() -> redlease::Result<()> {
+    smol::block_on(async {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let options = RedisOptions::new().connect_timeout(Duration::from_secs(2));
+        let backend: Arc<dyn Backend> = match RedisBackend::connect_with(&url, options).await {
+            Ok(redis) => {
+                println!("using Redis at {url}");
+                Arc::new(redis)
+            }
+            Err(e @ redlease::Error::InvalidConfig(_)) => return Err(e),
+            Err(e) => {
+                println!("no Redis answered at {url} ({e});");
+                println!(
+                    "running on the in-process MemoryBackend instead (same API, one process only)"
+                );
+                Arc::new(MemoryBackend::new())
+            }
+        };
+        let locks = LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
+
+        // Two tasks on smol's executor take the same lock, one after the other.
+        let tasks: Vec<_> = (1..=2)
+            .map(|task| {
+                let lock = locks.lock("examples:smol");
+                smol::spawn(async move {
+                    let guard = lock.acquire().await?; // waits while the other task holds it
+                    println!(
+                        "task {task} holds the lock, fencing token {}",
+                        guard.fencing_token()
+                    );
+                    smol::Timer::after(Duration::from_millis(50)).await; // the critical section
+                    guard.release().await
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await?;
+        }
+
+        // Contention is not an error: try_acquire says None.
+        let held = locks.lock("examples:smol").acquire().await?;
+        let other = locks.lock("examples:smol").try_acquire().await?;
+        println!(
+            "while held, try_acquire gives {:?}",
+            other.map(|g| g.fencing_token())
+        );
+        held.release().await?;
+        println!("done");
+        Ok(())
+    })
+}
