@@ -13,29 +13,15 @@
 //! cargo run --example async_std --no-default-features --features async-std
 //! ```
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use redlease::{Backend, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions};
+use redlease::{LockManager, LockOptions};
 
 fn main() -> redlease::Result<()> {
     async_std::task::block_on(async {
-        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let options = RedisOptions::new().connect_timeout(Duration::from_secs(2));
-        let backend: Arc<dyn Backend> = match RedisBackend::connect_with(&url, options).await {
-            Ok(redis) => {
-                println!("using Redis at {url}");
-                Arc::new(redis)
-            }
-            Err(e @ redlease::Error::InvalidConfig(_)) => return Err(e),
-            Err(e) => {
-                println!("no Redis answered at {url} ({e});");
-                println!(
-                    "running on the in-process MemoryBackend instead (same API, one process only)"
-                );
-                Arc::new(MemoryBackend::new())
-            }
-        };
+        let backend = common::redis_or_memory().await?;
         let locks = LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
 
         // Two tasks on async-std's executor take the same lock, one after the other.
