@@ -17,7 +17,6 @@
 mod support;
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,85 +93,40 @@ async fn connect(srv: &RedisServer) -> RedisBackend {
 }
 
 /// A MemoryBackend that counts `subscribe` calls, so a test can wait until a waiter is
-/// really blocked on a release instead of guessing with a sleep. (Written out by hand: it
-/// is what `#[async_trait]` expands to.)
+/// really blocked on a release instead of guessing with a sleep.
 #[derive(Clone, Debug, Default)]
 struct WatchedMemory {
     inner: MemoryBackend,
     subscribes: Arc<AtomicUsize>,
 }
 
-type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
+#[async_trait::async_trait]
 impl Backend for WatchedMemory {
-    fn try_acquire<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        key: &'life1 LeaseKey,
-        token: &'life2 Token,
+    async fn try_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
         ttl: Duration,
         waiting: Option<Duration>,
-    ) -> BoxFut<'async_trait, redlease::Result<Acquire>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        self.inner.try_acquire(key, token, ttl, waiting)
+    ) -> redlease::Result<Acquire> {
+        self.inner.try_acquire(key, token, ttl, waiting).await
     }
 
-    fn extend<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        leases: &'life1 [Lease<'life2>],
-    ) -> BoxFut<'async_trait, redlease::Result<Vec<Option<Duration>>>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        self.inner.extend(leases)
+    async fn extend(&self, leases: &[Lease<'_>]) -> redlease::Result<Vec<Option<Duration>>> {
+        self.inner.extend(leases).await
     }
 
-    fn release<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        key: &'life1 LeaseKey,
-        token: &'life2 Token,
-    ) -> BoxFut<'async_trait, redlease::Result<bool>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        self.inner.release(key, token)
+    async fn release(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
+        self.inner.release(key, token).await
     }
 
-    fn abandon<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        key: &'life1 LeaseKey,
-        token: &'life2 Token,
-    ) -> BoxFut<'async_trait, redlease::Result<bool>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        self.inner.abandon(key, token)
+    async fn abandon(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
+        self.inner.abandon(key, token).await
     }
 
-    fn subscribe<'life0, 'life1, 'async_trait>(
-        &'life0 self,
-        key: &'life1 LeaseKey,
-    ) -> BoxFut<'async_trait, redlease::Result<Subscription>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        Self: 'async_trait,
-    {
+    async fn subscribe(&self, key: &LeaseKey) -> redlease::Result<Subscription> {
         self.subscribes.fetch_add(1, Ordering::SeqCst);
-        self.inner.subscribe(key)
+        self.inner.subscribe(key).await
     }
 }
 
@@ -215,7 +169,7 @@ impl Store<'_> {
 /// What the waiter task reports: whether it ran inside a tokio runtime, and the fencing
 /// token it got.
 type Waited = (bool, redlease::Result<u64>);
-type Task = BoxFut<'static, Waited>;
+type Task = futures::future::BoxFuture<'static, Waited>;
 
 /// How the test's runtime runs a second task, and whether tasks there see a tokio runtime.
 #[derive(Clone, Copy)]
