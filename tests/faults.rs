@@ -198,6 +198,36 @@ async fn paused_server_makes_the_holder_lost_at_its_deadline_and_its_late_calls_
 // 2. The seeds' DEL race and GETSET race: an expired holder racing the next owner.
 // ---------------------------------------------------------------------------------------
 
+/// The seeds' SETNX-then-EXPIRE pitfall (a crash between the two leaves a lock that never
+/// expires): every lease is created with its TTL in one script, and the keys beside it carry
+/// the lifetimes the layout promises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lease_is_created_with_its_ttl_in_one_step() {
+    let srv = RedisServer::start();
+    let holder = manager(&srv, LockOptions::new().ttl(secs(7))).await;
+    let waiter = manager(&srv, LockOptions::new()).await;
+    let lock = holder.lock("ttl-at-once");
+    let key = lock.key().clone();
+    let calls_before = srv.info_field("commandstats", "cmdstat_evalsha");
+    let guard = lock.acquire().await.expect("acquire");
+    let calls_after = srv.info_field("commandstats", "cmdstat_evalsha");
+    assert_ne!(calls_before, calls_after, "the acquire is a script call");
+    let left = pttl(&srv, key.as_str());
+    assert!(
+        left > 0 && left <= 7000,
+        "a fresh lease carries its TTL: PTTL {left}"
+    );
+    assert_eq!(srv.cmd(&["SETNX", key.as_str(), "x"]).as_int(), Some(0));
+    // The fence hash never expires (it keeps tokens increasing); the waiters flag does.
+    assert_eq!(pttl(&srv, &key.derived("fence")), -1);
+    let blocked = waiter.lock("ttl-at-once").acquire_timeout(ms(150)).await;
+    assert!(matches!(blocked, Err(Error::Timeout { .. })), "{blocked:?}");
+    let flag = pttl(&srv, &key.derived("waiters"));
+    assert!(flag > 0, "the waiters flag expires on its own: PTTL {flag}");
+    guard.release().await.expect("release");
+    assert!(!exists(&srv, key.as_str()));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() {
     let srv = RedisServer::start();
