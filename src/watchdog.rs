@@ -114,6 +114,9 @@ struct Registry {
     next_id: u64,
     /// The generation of the live task, if one runs.
     running: Option<u64>,
+    /// When the sleeping task will look again (`None` while it works on a round): a new
+    /// lease wakes it only if it is due earlier, so registering n leases costs O(n).
+    wake_at: Option<Instant>,
     generations: u64,
     stats: WatchdogStats,
 }
@@ -164,6 +167,7 @@ impl Watchdog {
         let mut reg = self.shared.registry();
         let id = reg.next_id;
         reg.next_id += 1;
+        let next_due = Instant::now() + interval;
         reg.entries.insert(
             id,
             Entry {
@@ -171,10 +175,11 @@ impl Watchdog {
                 token,
                 ttl,
                 interval,
-                next_due: Instant::now() + interval,
+                next_due,
                 state,
             },
         );
+        let wake = reg.wake_at.is_some_and(|at| next_due < at);
         reg.stats.leases = reg.entries.len();
         if reg.running.is_none() {
             reg.generations += 1;
@@ -188,7 +193,9 @@ impl Watchdog {
             }));
         }
         drop(reg);
-        self.shared.wake.notify(1);
+        if wake {
+            self.shared.wake.notify(1);
+        }
         id
     }
 
@@ -200,10 +207,17 @@ impl Watchdog {
 
     /// After a manual extend: keep extending with the new TTL.
     pub(crate) fn set_ttl(&self, id: u64, ttl: Duration) {
-        if let Some(e) = self.shared.registry().entries.get_mut(&id) {
-            e.ttl = ttl;
-            e.interval = e.interval.min(ttl / 3);
-            e.next_due = Instant::now() + e.interval;
+        let mut reg = self.shared.registry();
+        let Some(e) = reg.entries.get_mut(&id) else {
+            return;
+        };
+        e.ttl = ttl;
+        e.interval = e.interval.min(ttl / 3);
+        e.next_due = Instant::now() + e.interval;
+        let next_due = e.next_due;
+        if reg.wake_at.is_some_and(|at| next_due < at) {
+            drop(reg);
+            self.shared.wake.notify(1);
         }
     }
 
@@ -253,6 +267,7 @@ async fn run(running: Running) {
                 // Cleared under the lock that saw the registry empty: a registration after it
                 // starts a new task.
                 reg.running = None;
+                reg.wake_at = None;
                 return;
             };
             // A round starts when the first lease is due, and takes along every lease due
@@ -272,6 +287,7 @@ async fn run(running: Running) {
                     }
                 }
             }
+            reg.wake_at = due.is_empty().then_some(first_due);
             first_due
         };
         if due.is_empty() {
