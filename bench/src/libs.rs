@@ -1,0 +1,162 @@
+//! The rows of the benchmark: redlease and the code it is compared with, behind one shape.
+
+use std::time::Duration;
+
+use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::scripts::Script;
+use fred::types::{Expiration, SetOptions};
+use redis::aio::MultiplexedConnection;
+
+/// TTL of every lease in the benchmark.
+pub const TTL: Duration = Duration::from_secs(30);
+
+const COMPARE_AND_DELETE: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lib {
+    /// redlease, `guard.release().await`.
+    Redlease,
+    /// redlease, `drop(guard)`: the release runs in the background.
+    RedleaseDrop,
+    /// The floor: SET NX PX + a compare-and-delete script, sent by hand on fred.
+    FredRaw,
+    /// The floor on redis-rs' multiplexed connection.
+    RedisRsRaw,
+    /// The rslock crate (0.10), explicit release.
+    Rslock,
+}
+
+impl Lib {
+    pub fn name(self) -> &'static str {
+        match self {
+            Lib::Redlease => "redlease (explicit release)",
+            Lib::RedleaseDrop => "redlease (drop release)",
+            Lib::FredRaw => "raw floor: fred SET NX PX + script",
+            Lib::RedisRsRaw => "raw floor: redis-rs SET NX PX + script",
+            Lib::Rslock => "rslock 0.10",
+        }
+    }
+}
+
+/// One set of clients (one connection each) on the same nodes.
+#[derive(Clone)]
+pub struct Clients {
+    pub redlease: redlease::LockManager,
+    fred: fred::clients::Client,
+    script: Script,
+    redis_rs: MultiplexedConnection,
+    rslock: rslock::LockManager,
+}
+
+impl Clients {
+    /// Clients of the single node at `url`.
+    pub async fn connect(url: &str) -> Clients {
+        let backend = redlease::RedisBackend::connect(url).await.expect("redlease connects");
+        let opts = redlease::LockOptions::new().ttl(TTL);
+        let redlease = redlease::LockManager::with_options(backend, opts).expect("options");
+        let config = fred::types::config::Config::from_url(url).expect("url");
+        let fred = fred::types::Builder::from_config(config).build().expect("fred client");
+        fred.init().await.expect("fred connects");
+        let script = Script::from_lua(COMPARE_AND_DELETE);
+        script.load(&fred).await.expect("script loads");
+        let redis_rs = redis::Client::open(url)
+            .expect("redis-rs url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis-rs connects");
+        let rslock = rslock::LockManager::new(vec![url.to_string()]);
+        Clients {
+            redlease,
+            fred,
+            script,
+            redis_rs,
+            rslock,
+        }
+    }
+
+    /// One acquire + release of `key`, not waiting (the key is expected to be free).
+    pub async fn cycle(&self, lib: Lib, key: &str) {
+        match lib {
+            Lib::Redlease => {
+                let g = self.redlease.lock(key).try_acquire().await.expect("acquire");
+                g.expect("free key").release().await.expect("release");
+            }
+            Lib::RedleaseDrop => {
+                let g = self.redlease.lock(key).try_acquire().await.expect("acquire");
+                drop(g.expect("free key"));
+            }
+            Lib::FredRaw => {
+                let token = token();
+                let ok: Option<String> = self
+                    .fred
+                    .set(key, token.as_str(), Some(Expiration::PX(TTL.as_millis() as i64)), Some(SetOptions::NX), false)
+                    .await
+                    .expect("SET NX");
+                assert!(ok.is_some(), "free key");
+                let _: i64 = self.script.evalsha(&self.fred, key, token.as_str()).await.expect("release");
+            }
+            Lib::RedisRsRaw => {
+                let token = token();
+                let mut con = self.redis_rs.clone();
+                let ok: Option<String> = redis::cmd("SET")
+                    .arg(key)
+                    .arg(&token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(TTL.as_millis() as u64)
+                    .query_async(&mut con)
+                    .await
+                    .expect("SET NX");
+                assert!(ok.is_some(), "free key");
+                let _: i64 = redis::Script::new(COMPARE_AND_DELETE)
+                    .key(key)
+                    .arg(&token)
+                    .invoke_async(&mut con)
+                    .await
+                    .expect("release");
+            }
+            Lib::Rslock => {
+                let lock = self.rslock.lock(key.as_bytes(), TTL).await.expect("rslock lock");
+                self.rslock.unlock(&lock).await;
+            }
+        }
+    }
+
+    /// Waits for `key`, then returns a holder to release with [`Held::release`].
+    pub async fn acquire_waiting(&self, lib: Lib, key: &str) -> Held {
+        match lib {
+            Lib::Redlease | Lib::RedleaseDrop => {
+                Held::Redlease(self.redlease.lock(key).acquire().await.expect("acquire"), lib)
+            }
+            Lib::Rslock => Held::Rslock(self.rslock.acquire(key.as_bytes(), TTL).await.expect("rslock acquire")),
+            Lib::FredRaw | Lib::RedisRsRaw => unreachable!("the raw floors do not wait"),
+        }
+    }
+}
+
+pub enum Held {
+    Redlease(redlease::LockGuard, Lib),
+    Rslock(rslock::LockGuard),
+}
+
+impl Held {
+    pub fn fencing_token(&self) -> Option<u64> {
+        match self {
+            Held::Redlease(g, _) => Some(g.fencing_token()),
+            Held::Rslock(_) => None,
+        }
+    }
+
+    pub async fn release(self) {
+        match self {
+            Held::Redlease(g, Lib::RedleaseDrop) => drop(g),
+            Held::Redlease(g, _) => g.release().await.expect("release"),
+            Held::Rslock(g) => g.release().await,
+        }
+    }
+}
+
+fn token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
