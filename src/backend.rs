@@ -35,6 +35,44 @@ pub enum Acquire {
     },
 }
 
+/// What an acquire attempt is part of, for [`Backend::try_acquire`].
+///
+/// Waiters register with the store (on Redis a short-lived flag beside the lease, so the
+/// release knows to publish). A waiting acquire's first attempt yields to waiters already
+/// registered: it does not take the lock out from under them, but registers and queues behind
+/// them. This stops a holder that releases and re-acquires at once from taking the lock back
+/// before the waiter that was woken can ask for it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Waiting {
+    /// A single attempt ([`Lock::try_acquire`](crate::Lock::try_acquire)): take the lock if it
+    /// is free.
+    #[default]
+    No,
+    /// A waiting acquire's first attempt: take the lock only if it is free and nobody is
+    /// registered as waiting.
+    Arriving {
+        /// How long until the caller checks again at the latest.
+        recheck: Duration,
+    },
+    /// A registered waiter: take the lock if it is free; otherwise stay registered for
+    /// `recheck`.
+    Waiting {
+        /// How long until the caller checks again at the latest.
+        recheck: Duration,
+    },
+}
+
+impl Waiting {
+    /// The re-check interval, for attempts that wait.
+    pub fn recheck(self) -> Option<Duration> {
+        match self {
+            Waiting::No => None,
+            Waiting::Arriving { recheck } | Waiting::Waiting { recheck } => Some(recheck),
+        }
+    }
+}
+
 /// One held lease, as the watchdog hands it to [`Backend::extend`].
 #[derive(Clone, Copy, Debug)]
 pub struct Lease<'a> {
@@ -57,7 +95,8 @@ pub struct Lease<'a> {
 ///
 /// - `try_acquire` grants the lease if the key is free or already holds `token`, and mints a
 ///   fencing token greater than any before it for that key; otherwise it reports `Held`. It
-///   never grants a token that was [`abandon`](Backend::abandon)ed.
+///   never grants a token that was [`abandon`](Backend::abandon)ed, and an
+///   [`Arriving`](Waiting::Arriving) attempt yields to registered waiters.
 /// - `extend` sets each lease's TTL only where the key still holds that lease's token.
 /// - `release` deletes the key only if it holds `token` (compare-and-delete), and wakes the
 ///   key's subscribers.
@@ -75,22 +114,22 @@ pub struct Lease<'a> {
 /// let key = LeaseKey::new("t:", "job");
 /// let (t1, t2) = (Token::random(), Token::random());
 /// let ttl = Duration::from_secs(5);
-/// assert!(matches!(b.try_acquire(&key, &t1, ttl, None).await?, Acquire::Acquired { .. }));
-/// assert!(matches!(b.try_acquire(&key, &t2, ttl, None).await?, Acquire::Held { .. }));
+/// let once = redlease::Waiting::No;
+/// assert!(matches!(b.try_acquire(&key, &t1, ttl, once).await?, Acquire::Acquired { .. }));
+/// assert!(matches!(b.try_acquire(&key, &t2, ttl, once).await?, Acquire::Held { .. }));
 /// assert!(!b.release(&key, &t2).await?);   // not t2's lease: untouched
 /// assert!(b.release(&key, &t1).await?);
 /// # Ok::<(), redlease::Error>(()) }).unwrap();
 /// ```
 #[async_trait]
 pub trait Backend: Send + Sync + fmt::Debug + 'static {
-    /// One atomic attempt. `waiting` tells the store the caller will wait up to that long for
-    /// a release and wants to be woken (the Redis backend only publishes when someone waits).
+    /// One atomic attempt; `waiting` says whether the caller waits (see [`Waiting`]).
     async fn try_acquire(
         &self,
         key: &LeaseKey,
         token: &Token,
         ttl: Duration,
-        waiting: Option<Duration>,
+        waiting: Waiting,
     ) -> Result<Acquire>;
 
     /// Extends many leases in as few round trips as the store allows. Returns, per lease in

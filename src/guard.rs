@@ -11,8 +11,8 @@ use futures::future::BoxFuture;
 
 use crate::backend::{Backend, Lease};
 use crate::error::{Error, Result};
-use crate::lock::ManagerInner;
-use crate::options::MIN_TTL;
+use crate::lock::{Lock, ManagerInner};
+use crate::options::check_ttl;
 use crate::runtime::Rt;
 use crate::token::{LeaseKey, Token};
 use crate::watchdog::LeaseState;
@@ -112,24 +112,24 @@ impl fmt::Debug for LockGuard {
 
 impl LockGuard {
     pub(crate) fn new(
-        manager: Arc<ManagerInner>,
-        name: Arc<str>,
-        ttl: Duration,
-        watchdog_interval: Option<Duration>,
+        lock: &Lock,
         fence: u64,
-        deadline: Instant,
+        sent: Instant,
+        validity: Duration,
         mut release: ReleaseOnDrop,
     ) -> Self {
         release.confirmed = true;
-        let state = Arc::new(LeaseState::new(deadline));
-        let watch = watchdog_interval.map(|interval| {
+        let manager = lock.manager.clone();
+        let name = lock.name.clone();
+        let opts = &lock.options;
+        let state = Arc::new(LeaseState::new(sent, sent + validity));
+        let watch = opts.watchdog.then(|| {
             manager.watchdog.register(
                 release.key.clone(),
                 release.token.clone(),
-                ttl,
-                interval,
+                opts.ttl,
+                opts.effective_watchdog_interval(),
                 state.clone(),
-                &release.rt,
             )
         });
         LockGuard {
@@ -203,14 +203,11 @@ impl LockGuard {
     /// # Errors
     ///
     /// [`Error::NotHeld`] if the lease is lost or the store no longer holds it (the guard is
-    /// then lost); [`Error::InvalidConfig`] for a ttl under [`MIN_TTL`]; [`Error::Backend`] if
+    /// then lost); [`Error::InvalidConfig`] for a ttl outside [`MIN_TTL`](crate::MIN_TTL) ..=
+    /// [`MAX_TTL`](crate::MAX_TTL); [`Error::Backend`] if
     /// the store failed (the lease is not lost by that alone).
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
-        if ttl < MIN_TTL {
-            return Err(Error::invalid(format!(
-                "ttl must be at least {MIN_TTL:?}, got {ttl:?}"
-            )));
-        }
+        check_ttl(ttl)?;
         let h = self.held();
         if h.state.check_lost() {
             return Err(Error::NotHeld);
@@ -223,7 +220,7 @@ impl LockGuard {
         };
         let reply = h.release.backend.extend(&[lease]).await?;
         match reply.first().copied().flatten() {
-            Some(validity) if h.state.confirm(started + validity) => {
+            Some(validity) if h.state.confirm(started, validity) => {
                 if let Some(id) = h.watch {
                     h.manager.watchdog.set_ttl(id, ttl);
                 }

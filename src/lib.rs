@@ -58,8 +58,10 @@
 //! be on at once (for example with `--all-features`); then the choice is made per call at run
 //! time: inside a tokio runtime tokio is used, otherwise smol if enabled, otherwise
 //! async-std. The Redis client (fred) always runs in a tokio context: the caller's tokio
-//! runtime, or a private one-thread runtime when the caller runs smol or async-std, so
-//! [`RedisBackend`] works under `smol::block_on` and `async_std::task::block_on` too.
+//! runtime, or the crate's private one-thread runtime when the caller runs smol or
+//! async-std, so [`RedisBackend`] works under `smol::block_on` and `async_std::task::block_on`
+//! too. Background work shared by all users of a manager or backend (the watchdog, pub/sub
+//! handlers) runs on that private runtime, so it never stops with the runtime that started it.
 //!
 //! # Drop and cancellation
 //!
@@ -92,12 +94,12 @@ mod watchdog;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
-pub use backend::{clock_drift, Acquire, Backend, Lease, Released, Subscription};
+pub use backend::{clock_drift, Acquire, Backend, Lease, Released, Subscription, Waiting};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
 pub use event_listener;
 pub use guard::{LockGuard, Lost};
 pub use lock::{Lock, LockManager};
-pub use options::{LockOptions, RetryPolicy, MIN_TTL};
+pub use options::{LockOptions, RetryPolicy, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 pub use token::{LeaseKey, Token};
 pub use watchdog::WatchdogStats;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures::future;
 
-use crate::backend::{Acquire, Backend, Subscription};
+use crate::backend::{Acquire, Backend, Subscription, Waiting};
 use crate::error::{Error, Result};
 use crate::guard::{LockGuard, ReleaseOnDrop};
 use crate::options::LockOptions;
@@ -132,10 +132,10 @@ impl LockManager {
 /// ```
 #[derive(Clone)]
 pub struct Lock {
-    manager: Arc<ManagerInner>,
-    name: Arc<str>,
+    pub(crate) manager: Arc<ManagerInner>,
+    pub(crate) name: Arc<str>,
     key: LeaseKey,
-    options: LockOptions,
+    pub(crate) options: LockOptions,
 }
 
 impl fmt::Debug for Lock {
@@ -217,7 +217,8 @@ impl Lock {
         self.check()?;
         let opts = &self.options;
         let began = Instant::now();
-        let deadline = wait.flatten().map(|d| began + d);
+        // A limit too far to represent (Duration::MAX) means no limit.
+        let deadline = wait.flatten().and_then(|d| began.checked_add(d));
         let timeout = || Error::Timeout {
             waited: began.elapsed(),
         };
@@ -230,7 +231,7 @@ impl Lock {
             confirmed: false,
         };
         let notify = wait.is_some() && opts.retry.notify;
-        let hint = notify.then_some(opts.retry.max_delay);
+        let recheck = opts.retry.max_delay;
         let mut sub: Option<Subscription> = None;
         let mut backoff = opts.retry.min_delay;
         loop {
@@ -238,9 +239,14 @@ impl Lock {
             let started = Instant::now();
             // From here until a definite answer, the attempt may hold the lease.
             pending.armed = true;
+            let waiting = match (notify, &sub) {
+                (false, _) => Waiting::No,
+                (true, None) => Waiting::Arriving { recheck },
+                (true, Some(_)) => Waiting::Waiting { recheck },
+            };
             let attempt = pending
                 .backend
-                .try_acquire(&self.key, &pending.token, opts.ttl, hint);
+                .try_acquire(&self.key, &pending.token, opts.ttl, waiting);
             let outcome = runtime::until(deadline, attempt)
                 .await
                 .ok_or_else(timeout)??;
@@ -250,14 +256,11 @@ impl Lock {
                     validity,
                 } => {
                     tracing::debug!(key = %self.key, fencing_token, waited = ?began.elapsed(), "acquired");
-                    let interval = opts.watchdog.then(|| opts.effective_watchdog_interval());
                     return Ok(Some(LockGuard::new(
-                        self.manager.clone(),
-                        self.name.clone(),
-                        opts.ttl,
-                        interval,
+                        self,
                         fencing_token,
-                        started + validity,
+                        started,
+                        validity,
                         pending,
                     )));
                 }
@@ -282,7 +285,7 @@ impl Lock {
                 jitter(opts.retry.max_delay, 0.8)
             } else {
                 let p = jitter(backoff, 0.5);
-                backoff = (backoff * 2).min(opts.retry.max_delay);
+                backoff = backoff.saturating_mul(2).min(opts.retry.max_delay);
                 p
             };
             if let Some(r) = remaining {

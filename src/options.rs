@@ -9,6 +9,21 @@ use crate::error::{Error, Result};
 /// (1 % + 2 ms) would be next to nothing.
 pub const MIN_TTL: Duration = Duration::from_millis(10);
 
+/// The longest TTL accepted (a year): a lease is meant to run out when its holder dies.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The longest wait between two checks of a waiting acquire.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(3600);
+
+pub(crate) fn check_ttl(ttl: Duration) -> Result<()> {
+    if ttl < MIN_TTL || ttl > MAX_TTL {
+        return Err(Error::invalid(format!(
+            "ttl must be between {MIN_TTL:?} and {MAX_TTL:?} (a year), got {ttl:?}"
+        )));
+    }
+    Ok(())
+}
+
 /// Settings for locks: set defaults on the [`LockManager`](crate::LockManager), override them
 /// per lock with [`LockManager::lock_with`](crate::LockManager::lock_with).
 ///
@@ -59,7 +74,7 @@ impl LockOptions {
     }
 
     /// How long a lease lives on the server without being extended. A crashed holder's lock
-    /// is free again after at most this long. Defaults to 30 s; at least 10 ms.
+    /// is free again after at most this long. Defaults to 30 s; from 10 ms to a year.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
@@ -121,15 +136,7 @@ impl LockOptions {
     /// assert!(msg.contains("watchdog interval"), "{msg}");
     /// ```
     pub fn validate(&self) -> Result<()> {
-        if self.ttl < MIN_TTL {
-            return Err(Error::invalid(format!(
-                "ttl must be at least {MIN_TTL:?}, got {:?}",
-                self.ttl
-            )));
-        }
-        if self.ttl > Duration::from_millis(i64::MAX as u64 / 2) {
-            return Err(Error::invalid(format!("ttl {:?} is too large", self.ttl)));
-        }
+        check_ttl(self.ttl)?;
         if let Some(interval) = self.watchdog_interval {
             if interval.is_zero() {
                 return Err(Error::invalid("watchdog interval must be above zero"));
@@ -219,6 +226,12 @@ impl RetryPolicy {
     pub(crate) fn validate(&self) -> Result<()> {
         if self.min_delay.is_zero() || self.max_delay.is_zero() {
             return Err(Error::invalid("retry delays must be above zero"));
+        }
+        if self.max_delay > MAX_RETRY_DELAY {
+            return Err(Error::invalid(format!(
+                "retry max_delay must be at most {MAX_RETRY_DELAY:?}, got {:?}",
+                self.max_delay
+            )));
         }
         if self.min_delay > self.max_delay {
             return Err(Error::invalid(format!(

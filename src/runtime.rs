@@ -5,12 +5,16 @@
 //! Inside a tokio runtime, tokio is used. Outside one, `smol` is used if enabled, else
 //! `async-std`, else (only the `tokio` feature, called from no runtime at all) a private
 //! one-thread tokio runtime. fred always runs in a tokio context: the ambient runtime, or the
-//! private one through [`async_compat::Compat`].
+//! private one (see [`InTokio`]). Background tasks shared by all users of a manager or
+//! backend run on that private runtime ([`background`]).
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use async_compat::Compat;
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+
 use futures::future::{self, Either};
 
 #[cfg(not(any(feature = "tokio", feature = "async-std", feature = "smol")))]
@@ -29,6 +33,10 @@ pub(crate) enum Rt {
     // With smol also on, smol takes precedence and this variant is never built.
     #[cfg(all(feature = "async-std", not(feature = "smol")))]
     AsyncStd,
+    /// Only tokio is enabled, the caller runs no runtime, and the private runtime could not
+    /// be started: nothing can be spawned (a release is then left to the TTL).
+    #[cfg(not(any(feature = "smol", feature = "async-std")))]
+    Unavailable,
 }
 
 impl Rt {
@@ -47,7 +55,10 @@ impl Rt {
         }
         #[cfg(not(any(feature = "smol", feature = "async-std")))]
         {
-            Rt::Tokio(fallback_handle())
+            match private() {
+                Some(handle) => Rt::Tokio(handle.clone()),
+                None => Rt::Unavailable,
+            }
         }
     }
 
@@ -62,28 +73,105 @@ impl Rt {
                 drop(handle.spawn(fut));
             }
             #[cfg(feature = "smol")]
-            Rt::Smol => smol::spawn(Compat::new(fut)).detach(),
+            Rt::Smol => smol::spawn(compat(fut)).detach(),
             #[cfg(all(feature = "async-std", not(feature = "smol")))]
             Rt::AsyncStd => {
-                drop(async_std::task::spawn(Compat::new(fut)));
+                drop(async_std::task::spawn(compat(fut)));
             }
+            #[cfg(not(any(feature = "smol", feature = "async-std")))]
+            Rt::Unavailable => drop(fut),
         }
     }
 }
 
-/// The private tokio runtime (async-compat's fallback, one thread), used when the caller runs
-/// no tokio runtime.
-#[cfg(not(any(feature = "smol", feature = "async-std")))]
-fn fallback_handle() -> tokio::runtime::Handle {
-    use futures::FutureExt;
-    Compat::new(future::lazy(|_| tokio::runtime::Handle::current()))
-        .now_or_never()
-        .expect("a lazy future is ready on its first poll")
+impl Rt {
+    /// Runs `fut` on this runtime and waits for its output (from any executor); `None` if
+    /// the runtime dropped the task (it shut down).
+    pub(crate) async fn run<F>(self, fut: F) -> Option<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let (tx, rx) = futures::channel::oneshot::channel();
+        self.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.await.ok()
+    }
 }
 
-/// Polls a fred future in a tokio context (the ambient one, or the private fallback).
-pub(crate) fn compat<F: Future>(fut: F) -> Compat<F> {
-    Compat::new(fut)
+/// The crate's own runtime, for the background tasks that serve every user of a manager or
+/// backend (the watchdog, pub/sub bookkeeping): they must not stop when the runtime that
+/// happened to start them goes idle or shuts down. One tokio thread, started on first use,
+/// living as long as the process. Should the OS refuse the thread, the caller's runtime is
+/// used instead.
+pub(crate) fn background() -> Rt {
+    match private() {
+        Some(handle) => Rt::Tokio(handle.clone()),
+        None => Rt::current(),
+    }
+}
+
+/// The private runtime's handle, if it could be started.
+fn private() -> Option<&'static tokio::runtime::Handle> {
+    static PRIVATE: OnceLock<Option<tokio::runtime::Handle>> = OnceLock::new();
+    PRIVATE
+        .get_or_init(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            let handle = rt.handle().clone();
+            // A current-thread runtime runs its tasks while some thread is in `block_on`.
+            std::thread::Builder::new()
+                .name("redlease-runtime".into())
+                .spawn(move || rt.block_on(future::pending::<()>()))
+                .ok()?;
+            Some(handle)
+        })
+        .as_ref()
+}
+
+/// Enters a tokio context if the caller is in none: the private runtime's.
+fn enter() -> Option<tokio::runtime::EnterGuard<'static>> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return None;
+    }
+    private().map(tokio::runtime::Handle::enter)
+}
+
+/// A future polled (and dropped) inside a tokio context: fred needs one, for its timers and
+/// the tasks it spawns. The caller's tokio runtime if there is one, else the private one (the
+/// idea of the async-compat crate, sharing this crate's one private runtime).
+#[pin_project::pin_project(PinnedDrop)]
+pub(crate) struct InTokio<F> {
+    #[pin]
+    inner: Option<F>,
+}
+
+impl<F: Future> Future for InTokio<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let _context = enter();
+        match self.project().inner.as_pin_mut() {
+            Some(inner) => inner.poll(cx),
+            None => Poll::Pending,
+        }
+    }
+}
+
+#[pin_project::pinned_drop]
+impl<F> PinnedDrop for InTokio<F> {
+    fn drop(self: Pin<&mut Self>) {
+        let _context = enter();
+        self.project().inner.set(None);
+    }
+}
+
+/// Polls a fred future in a tokio context.
+pub(crate) fn compat<F: Future>(fut: F) -> InTokio<F> {
+    InTokio { inner: Some(fut) }
 }
 
 /// Sleeps on the caller's runtime.
@@ -101,8 +189,8 @@ pub(crate) async fn sleep(d: Duration) {
     }
     #[cfg(not(any(feature = "smol", feature = "async-std")))]
     {
-        // Created inside the Compat context: tokio's timer needs the runtime at creation.
-        Compat::new(async move { tokio::time::sleep(d).await }).await;
+        // Created inside the context: tokio's timer needs the runtime at creation.
+        compat(async move { tokio::time::sleep(d).await }).await;
     }
 }
 

@@ -9,7 +9,7 @@ use event_listener::Event;
 use futures::future;
 
 use crate::backend::{Backend, Lease};
-use crate::runtime::{self, Rt};
+use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
 /// What a guard and the watchdog share about one lease: its local deadline and the lost
@@ -18,6 +18,10 @@ use crate::token::{LeaseKey, Token};
 #[derive(Debug)]
 pub(crate) struct LeaseState {
     deadline: AtomicU64,
+    /// When the confirmed extension behind `deadline` was sent. Extensions can be confirmed
+    /// out of order (the watchdog's and a manual `extend`); the one sent last wins, since the
+    /// server ran it last on the one connection.
+    confirmed_sent: Mutex<Instant>,
     lost: AtomicBool,
     event: Event,
 }
@@ -32,9 +36,10 @@ fn to_nanos(t: Instant) -> u64 {
 }
 
 impl LeaseState {
-    pub(crate) fn new(deadline: Instant) -> Self {
+    pub(crate) fn new(sent: Instant, deadline: Instant) -> Self {
         LeaseState {
             deadline: AtomicU64::new(to_nanos(deadline)),
+            confirmed_sent: Mutex::new(sent),
             lost: AtomicBool::new(false),
             event: Event::new(),
         }
@@ -44,12 +49,21 @@ impl LeaseState {
         epoch() + Duration::from_nanos(self.deadline.load(Ordering::Acquire))
     }
 
-    /// Moves the deadline after a confirmed extension; `false` if the lease is lost already.
-    pub(crate) fn confirm(&self, deadline: Instant) -> bool {
+    /// Records an extension sent at `sent` and confirmed valid for `validity`; `false` if the
+    /// lease is lost already. A confirmation older than the last one changes nothing.
+    pub(crate) fn confirm(&self, sent: Instant, validity: Duration) -> bool {
+        let mut last = self
+            .confirmed_sent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if self.check_lost() {
             return false;
         }
-        self.deadline.store(to_nanos(deadline), Ordering::Release);
+        if sent >= *last {
+            *last = sent;
+            self.deadline
+                .store(to_nanos(sent + validity), Ordering::Release);
+        }
         true
     }
 
@@ -162,7 +176,6 @@ impl Watchdog {
         ttl: Duration,
         interval: Duration,
         state: Arc<LeaseState>,
-        rt: &Rt,
     ) -> u64 {
         let mut reg = self.shared.registry();
         let id = reg.next_id;
@@ -181,18 +194,21 @@ impl Watchdog {
         );
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
         reg.stats.leases = reg.entries.len();
-        if reg.running.is_none() {
+        let start = reg.running.is_none().then(|| {
             reg.generations += 1;
-            let generation = reg.generations;
-            reg.running = Some(generation);
-            // The guard is made here, not inside `run`: a task dropped before its first poll
-            // (its runtime shut down) must still clear `running`.
-            rt.spawn(run(Running {
+            reg.running = Some(reg.generations);
+            reg.generations
+        });
+        drop(reg);
+        if let Some(generation) = start {
+            // Spawned with the registry unlocked: a task dropped at once (a runtime shutting
+            // down) runs `Running::drop`, which takes the lock. The guard is made here, not
+            // inside `run`, so that even a task never polled clears `running`.
+            runtime::background().spawn(run(Running {
                 shared: self.shared.clone(),
                 generation,
             }));
         }
-        drop(reg);
         if wake {
             self.shared.wake.notify(1);
         }
@@ -315,7 +331,7 @@ async fn run(running: Running) {
                         continue;
                     };
                     match validity {
-                        Some(v) if e.state.confirm(started + v) => {
+                        Some(v) if e.state.confirm(started, v) => {
                             e.next_due = started + e.interval;
                             reg.stats.extended += 1;
                         }

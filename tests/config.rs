@@ -106,14 +106,14 @@ async fn bad_urls_are_rejected_before_connecting() {
             "{url:?}: {msg:?} should mention {needle:?}"
         );
     }
-    let msg = invalid_message(
-        RedisBackend::connect_with(
-            "redis://127.0.0.1",
-            RedisOptions::new().command_timeout(Duration::ZERO),
-        )
-        .await,
-    );
-    assert!(msg.contains("timeout"), "{msg}");
+    for opts in [
+        RedisOptions::new().command_timeout(Duration::ZERO),
+        RedisOptions::new().command_timeout(Duration::MAX),
+        RedisOptions::new().connect_timeout(Duration::MAX),
+    ] {
+        let msg = invalid_message(RedisBackend::connect_with("redis://127.0.0.1", opts).await);
+        assert!(msg.contains("timeout"), "{msg}");
+    }
 }
 
 /// fred would quietly use plain TCP for `rediss://` without a TLS feature.
@@ -181,4 +181,21 @@ async fn password_and_database_in_the_url_are_used() {
         "not in db 0"
     );
     g.release().await.unwrap();
+}
+
+/// Limits too large to represent mean "no limit", never a panic.
+#[tokio::test]
+async fn huge_durations_never_panic() {
+    let locks = LockManager::new(MemoryBackend::new());
+    let g = locks
+        .lock("max")
+        .acquire_timeout(Duration::MAX)
+        .await
+        .unwrap();
+    let msg = invalid_message(g.extend(Duration::MAX).await);
+    assert!(msg.contains("ttl"), "{msg}");
+    g.extend(Duration::from_secs(60)).await.unwrap();
+    g.release().await.unwrap();
+    let forever = locks.lock_with("max", |o| o.wait_timeout(Some(Duration::MAX)));
+    forever.acquire().await.unwrap().release().await.unwrap();
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use futures::future::{self, Either};
 use redlease::{
     Acquire, Backend, Error, Lease, LeaseKey, LockGuard, LockManager, LockOptions, RedisBackend,
-    RedisOptions, Token,
+    RedisOptions, Token, Waiting,
 };
 use support::{sleep_async, wait_for_async, Checker, Conn, RedisServer};
 
@@ -286,7 +286,7 @@ async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() 
     let key = LeaseKey::new("faults:", "seed-getset-race");
     let (ta, tb) = (Token::random(), Token::random());
     assert!(matches!(
-        raw.try_acquire(&key, &ta, ms(100), None)
+        raw.try_acquire(&key, &ta, ms(100), Waiting::No)
             .await
             .expect("acquire A"),
         Acquire::Acquired { .. }
@@ -296,7 +296,7 @@ async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() 
         "A's raw lease never expired"
     );
     assert!(matches!(
-        raw.try_acquire(&key, &tb, secs(5), None)
+        raw.try_acquire(&key, &tb, secs(5), Waiting::No)
             .await
             .expect("acquire B"),
         Acquire::Acquired { .. }
@@ -970,9 +970,12 @@ async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token()
     let ttl = secs(5);
     let t = Token::random();
 
-    let first = b.try_acquire(&key, &t, ttl, None).await.expect("acquire");
+    let first = b
+        .try_acquire(&key, &t, ttl, Waiting::No)
+        .await
+        .expect("acquire");
     let replay = b
-        .try_acquire(&key, &t, ttl, None)
+        .try_acquire(&key, &t, ttl, Waiting::No)
         .await
         .expect("replayed acquire");
     let (
@@ -991,7 +994,9 @@ async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token()
 
     let other = Token::random();
     assert!(matches!(
-        b.try_acquire(&key, &other, ttl, None).await.expect("rival"),
+        b.try_acquire(&key, &other, ttl, Waiting::No)
+            .await
+            .expect("rival"),
         Acquire::Held { .. }
     ));
 
@@ -1026,7 +1031,7 @@ async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token()
     // The next owner gets a strictly greater fencing token; the old token's replays do not
     // touch its lease.
     match b
-        .try_acquire(&key, &other, ttl, None)
+        .try_acquire(&key, &other, ttl, Waiting::No)
         .await
         .expect("next owner")
     {
@@ -1052,7 +1057,9 @@ async fn replayed_acquire_arriving_after_it_was_abandoned_does_not_resurrect_the
     let ttl = secs(10);
     let t = Token::random();
     assert!(matches!(
-        b.try_acquire(&key, &t, ttl, None).await.expect("acquire"),
+        b.try_acquire(&key, &t, ttl, Waiting::No)
+            .await
+            .expect("acquire"),
         Acquire::Acquired { .. }
     ));
     assert!(b
@@ -1066,7 +1073,7 @@ async fn replayed_acquire_arriving_after_it_was_abandoned_does_not_resurrect_the
         "the tombstone expires: PTTL {ttl_left}"
     );
     let replay = b
-        .try_acquire(&key, &t, ttl, None)
+        .try_acquire(&key, &t, ttl, Waiting::No)
         .await
         .expect("replayed acquire");
     let left = get(&srv, key.as_str());
@@ -1092,7 +1099,7 @@ async fn abandoned_acquire_arriving_after_its_clean_up_does_not_take_the_lease()
         "nothing was held yet"
     );
     let late = b
-        .try_acquire(&key, &t, ttl, None)
+        .try_acquire(&key, &t, ttl, Waiting::No)
         .await
         .expect("late acquire");
     let left = get(&srv, key.as_str());
@@ -1293,5 +1300,42 @@ async fn dropped_acquire_futures_leave_no_orphan_lease_when_the_holder_releases_
         .await
         .expect("attempt")
         .expect("no orphan lease blocks the lock");
+    g.release().await.expect("release");
+}
+
+/// Waits cancelled at every point, including while their SUBSCRIBE is in flight, leave no
+/// subscription behind: the count of local waiters goes back to zero and the channel is
+/// unsubscribed (a leaked count would keep the channel subscribed with nobody waiting, and
+/// after a reconnect no waiter would ever be woken on it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_waits_leave_no_subscription_behind() {
+    let srv = RedisServer::start();
+    let holder = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let waiters = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let lock = holder.lock("sub-leak");
+    let channel = lock.key().derived("released");
+    let held = lock.acquire().await.expect("acquire");
+    for i in 0..600u64 {
+        let w = waiters.lock("sub-leak");
+        // Cut anywhere from before the first attempt to well after the subscription.
+        let cut = Duration::from_micros(i % 200 * 20);
+        let _ = tokio::time::timeout(cut, w.acquire()).await;
+    }
+    let unsubscribed = wait_for_async(secs(5), || numsub(&srv, &channel) == 0).await;
+    assert!(
+        unsubscribed,
+        "{} subscriptions left with no waiter",
+        numsub(&srv, &channel)
+    );
+    // And waiting still works: a new waiter subscribes again and is woken by the release.
+    let w = waiters.lock("sub-leak");
+    let waiter = tokio::spawn(async move { w.acquire_timeout(secs(5)).await });
+    let subscribed = wait_for_async(secs(5), || numsub(&srv, &channel) == 1).await;
+    assert!(subscribed, "the new waiter subscribed");
+    held.release().await.expect("release");
+    let g = waiter
+        .await
+        .expect("waiter task")
+        .expect("woken by the release");
     g.release().await.expect("release");
 }

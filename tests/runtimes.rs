@@ -107,7 +107,7 @@ impl Backend for WatchedMemory {
         key: &LeaseKey,
         token: &Token,
         ttl: Duration,
-        waiting: Option<Duration>,
+        waiting: redlease::Waiting,
     ) -> redlease::Result<Acquire> {
         self.inner.try_acquire(key, token, ttl, waiting).await
     }

@@ -3,9 +3,14 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redlease::{LockManager, LockOptions, MemoryBackend, RedisBackend};
+use redlease::{
+    Acquire, Backend, Lease, LeaseKey, LockManager, LockOptions, MemoryBackend, RedisBackend,
+    Subscription, Token, Waiting,
+};
 use support::RedisServer;
 
 const LEASES: usize = 1000;
@@ -119,4 +124,105 @@ async fn watchdog_restarts_after_going_idle() {
             .await
         );
     }
+}
+
+/// A MemoryBackend whose next `extend` applies at once but holds its reply back until the
+/// test lets it go: an extension confirmed after a later one.
+#[derive(Clone, Debug, Default)]
+struct SlowReply {
+    inner: MemoryBackend,
+    hold_next: Arc<AtomicBool>,
+    held: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl Backend for SlowReply {
+    async fn try_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+    ) -> redlease::Result<Acquire> {
+        self.inner.try_acquire(key, token, ttl, waiting).await
+    }
+
+    async fn extend(&self, leases: &[Lease<'_>]) -> redlease::Result<Vec<Option<Duration>>> {
+        let reply = self.inner.extend(leases).await;
+        if self.hold_next.swap(false, Ordering::SeqCst) {
+            self.held.notify_one();
+            self.release.notified().await;
+        }
+        reply
+    }
+
+    async fn release(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
+        self.inner.release(key, token).await
+    }
+
+    async fn abandon(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
+        self.inner.abandon(key, token).await
+    }
+
+    async fn subscribe(&self, key: &LeaseKey) -> redlease::Result<Subscription> {
+        self.inner.subscribe(key).await
+    }
+}
+
+/// The watchdog sends a 3 s extension, then the holder shortens the lease to 200 ms; the
+/// watchdog's reply comes back last. The store keeps the 200 ms (it ran that one last), so
+/// the guard's deadline must too: the older confirmation must not push it to 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_confirmation_never_moves_the_deadline_past_a_newer_one() {
+    let backend = SlowReply::default();
+    let opts = LockOptions::new()
+        .ttl(Duration::from_secs(3))
+        .watchdog_interval(Duration::from_millis(50));
+    let locks = LockManager::with_options(backend.clone(), opts).unwrap();
+    let g = locks.lock("order").acquire().await.unwrap();
+    backend.hold_next.store(true, Ordering::SeqCst);
+    backend.held.notified().await; // the watchdog's 3 s extension ran; its reply is held
+    g.extend(Duration::from_millis(200)).await.unwrap();
+    let shortened = g.valid_until();
+    backend.release.notify_one();
+    // Let the held reply be processed: the next watchdog round shows it was.
+    let rounds = locks.watchdog_stats().rounds;
+    let l = locks.clone();
+    assert!(
+        support::wait_for_async(Duration::from_secs(5), move || l.watchdog_stats().rounds
+            > rounds)
+        .await
+    );
+    assert!(
+        g.valid_until() <= shortened + Duration::from_millis(200),
+        "deadline moved to {:?} after a 200 ms extension",
+        g.valid_until() - Instant::now()
+    );
+}
+
+/// The watchdog serves every runtime a manager is used from: a current-thread runtime that
+/// started it and then went idle must not stop it.
+#[test]
+fn watchdog_keeps_running_after_the_runtime_that_started_it_goes_idle() {
+    let opts = LockOptions::new().ttl(Duration::from_millis(150));
+    let locks = LockManager::with_options(MemoryBackend::new(), opts).unwrap();
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let g1 = first.block_on(locks.lock("first").acquire()).unwrap();
+    // `first` is idle from here on: nothing polls its tasks.
+    let other = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    other.block_on(async {
+        let g2 = locks.lock("second").acquire().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await; // four TTLs pass
+        assert!(!g2.is_lost(), "{:?}", locks.watchdog_stats());
+        assert!(!g1.is_lost());
+    });
+    drop(first);
 }

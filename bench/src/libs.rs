@@ -52,11 +52,15 @@ pub struct Clients {
 impl Clients {
     /// Clients of the single node at `url`.
     pub async fn connect(url: &str) -> Clients {
-        let backend = redlease::RedisBackend::connect(url).await.expect("redlease connects");
+        let backend = redlease::RedisBackend::connect(url)
+            .await
+            .expect("redlease connects");
         let opts = redlease::LockOptions::new().ttl(TTL);
         let redlease = redlease::LockManager::with_options(backend, opts).expect("options");
         let config = fred::types::config::Config::from_url(url).expect("url");
-        let fred = fred::types::Builder::from_config(config).build().expect("fred client");
+        let fred = fred::types::Builder::from_config(config)
+            .build()
+            .expect("fred client");
         fred.init().await.expect("fred connects");
         let script = Script::from_lua(COMPARE_AND_DELETE);
         script.load(&fred).await.expect("script loads");
@@ -79,22 +83,42 @@ impl Clients {
     pub async fn cycle(&self, lib: Lib, key: &str) {
         match lib {
             Lib::Redlease => {
-                let g = self.redlease.lock(key).try_acquire().await.expect("acquire");
+                let g = self
+                    .redlease
+                    .lock(key)
+                    .try_acquire()
+                    .await
+                    .expect("acquire");
                 g.expect("free key").release().await.expect("release");
             }
             Lib::RedleaseDrop => {
-                let g = self.redlease.lock(key).try_acquire().await.expect("acquire");
+                let g = self
+                    .redlease
+                    .lock(key)
+                    .try_acquire()
+                    .await
+                    .expect("acquire");
                 drop(g.expect("free key"));
             }
             Lib::FredRaw => {
                 let token = token();
                 let ok: Option<String> = self
                     .fred
-                    .set(key, token.as_str(), Some(Expiration::PX(TTL.as_millis() as i64)), Some(SetOptions::NX), false)
+                    .set(
+                        key,
+                        token.as_str(),
+                        Some(Expiration::PX(TTL.as_millis() as i64)),
+                        Some(SetOptions::NX),
+                        false,
+                    )
                     .await
                     .expect("SET NX");
                 assert!(ok.is_some(), "free key");
-                let _: i64 = self.script.evalsha(&self.fred, key, token.as_str()).await.expect("release");
+                let _: i64 = self
+                    .script
+                    .evalsha(&self.fred, key, token.as_str())
+                    .await
+                    .expect("release");
             }
             Lib::RedisRsRaw => {
                 let token = token();
@@ -117,7 +141,11 @@ impl Clients {
                     .expect("release");
             }
             Lib::Rslock => {
-                let lock = self.rslock.lock(key.as_bytes(), TTL).await.expect("rslock lock");
+                let lock = self
+                    .rslock
+                    .lock(key.as_bytes(), TTL)
+                    .await
+                    .expect("rslock lock");
                 self.rslock.unlock(&lock).await;
             }
         }
@@ -126,10 +154,16 @@ impl Clients {
     /// Waits for `key`, then returns a holder to release with [`Held::release`].
     pub async fn acquire_waiting(&self, lib: Lib, key: &str) -> Held {
         match lib {
-            Lib::Redlease | Lib::RedleaseDrop => {
-                Held::Redlease(self.redlease.lock(key).acquire().await.expect("acquire"), lib)
-            }
-            Lib::Rslock => Held::Rslock(self.rslock.acquire(key.as_bytes(), TTL).await.expect("rslock acquire")),
+            Lib::Redlease | Lib::RedleaseDrop => Held::Redlease(
+                self.redlease.lock(key).acquire().await.expect("acquire"),
+                lib,
+            ),
+            Lib::Rslock => Held::Rslock(
+                self.rslock
+                    .acquire(key.as_bytes(), TTL)
+                    .await
+                    .expect("rslock acquire"),
+            ),
             Lib::FredRaw | Lib::RedisRsRaw => unreachable!("the raw floors do not wait"),
         }
     }

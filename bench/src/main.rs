@@ -25,7 +25,11 @@ use server::RedisServer;
 use stats::{fmt_spread, ms, spread};
 
 /// Used by the shared harness (`super::wait_for_interval`).
-pub(crate) fn wait_for_interval(timeout: Duration, interval: Duration, mut f: impl FnMut() -> bool) -> bool {
+pub(crate) fn wait_for_interval(
+    timeout: Duration,
+    interval: Duration,
+    mut f: impl FnMut() -> bool,
+) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
         if f() {
@@ -41,6 +45,8 @@ pub(crate) fn wait_for_interval(timeout: Duration, interval: Duration, mut f: im
 
 struct Plan {
     quick: bool,
+    /// `--only W2,W3`: run just these workloads (for iterating on one number).
+    only: Option<Vec<String>>,
     repeats: usize,
     dur: Duration,
     w3_quota: u64,
@@ -51,9 +57,18 @@ struct Plan {
 }
 
 impl Plan {
+    fn runs(&self, w: &str) -> bool {
+        self.only.as_ref().is_none_or(|o| o.iter().any(|x| x == w))
+    }
+
     fn from_args() -> Plan {
         let args: Vec<String> = std::env::args().skip(1).collect();
         let quick = args.iter().any(|a| a == "--quick");
+        let only = args
+            .iter()
+            .position(|a| a == "--only")
+            .and_then(|i| args.get(i + 1))
+            .map(|s| s.split(',').map(|w| w.trim().to_uppercase()).collect());
         let out = args
             .iter()
             .position(|a| a == "--out")
@@ -61,12 +76,36 @@ impl Plan {
             .map(Into::into)
             .unwrap_or_else(|| {
                 let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-                if quick { dir.join("../target/bench-quick.md") } else { dir.join("RESULTS.md") }
+                if quick {
+                    dir.join("../target/bench-quick.md")
+                } else {
+                    dir.join("RESULTS.md")
+                }
             });
         if quick {
-            Plan { quick, repeats: 1, dur: Duration::from_millis(1500), w3_quota: 60, w3_cap: Duration::from_secs(6), w5_leases: 100_000, w5_window: Duration::from_secs(4), out }
+            Plan {
+                quick,
+                only,
+                repeats: 1,
+                dur: Duration::from_millis(1500),
+                w3_quota: 60,
+                w3_cap: Duration::from_secs(6),
+                w5_leases: 100_000,
+                w5_window: Duration::from_secs(4),
+                out,
+            }
         } else {
-            Plan { quick, repeats: 5, dur: Duration::from_secs(3), w3_quota: 200, w3_cap: Duration::from_secs(20), w5_leases: 100_000, w5_window: Duration::from_secs(10), out }
+            Plan {
+                quick,
+                only,
+                repeats: 5,
+                dur: Duration::from_secs(3),
+                w3_quota: 200,
+                w3_cap: Duration::from_secs(20),
+                w5_leases: 100_000,
+                w5_window: Duration::from_secs(10),
+                out,
+            }
         }
     }
 }
@@ -74,12 +113,21 @@ impl Plan {
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
         .unwrap_or_else(|| "unknown".into());
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let cmd = |c: &str, a: &str| {
-        std::process::Command::new(c).arg(a).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()
+        std::process::Command::new(c)
+            .arg(a)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
     };
     format!(
         "- machine: {cores} cores, {cpu}; load average at start: {}\n- {}; {}\n- crates: redlease {}, fred 10.1, redis-rs 1.x, rslock 0.10.0; `--release`\n",
@@ -96,101 +144,209 @@ async fn main() {
     let started = Instant::now();
     let mut md = String::new();
     writeln!(md, "# redlease benchmark results\n").unwrap();
-    writeln!(md, "{}- run: {} ({} repeats, interleaved; medians with min–max)\n", machine(), if plan.quick { "--quick" } else { "full" }, plan.repeats).unwrap();
+    writeln!(
+        md,
+        "{}- run: {} ({} repeats, interleaved; medians with min–max)\n",
+        machine(),
+        if plan.quick { "--quick" } else { "full" },
+        plan.repeats
+    )
+    .unwrap();
 
     let node = RedisServer::start();
     let url = node.url();
     let clients = Clients::connect(&url).await;
-    let groups: Vec<Clients> = futures::future::join_all((0..4).map(|_| Clients::connect(&url))).await;
-    let single = [Lib::Redlease, Lib::RedleaseDrop, Lib::FredRaw, Lib::RedisRsRaw, Lib::Rslock];
+    let groups: Vec<Clients> =
+        futures::future::join_all((0..4).map(|_| Clients::connect(&url))).await;
+    let single = [
+        Lib::Redlease,
+        Lib::RedleaseDrop,
+        Lib::FredRaw,
+        Lib::RedisRsRaw,
+        Lib::Rslock,
+    ];
 
     // W1 and W2, interleaved: each repeat runs every library once, in a rotated order.
-    for (name, tasks) in [("W1: 1 task, sequential, 1 node", 1), ("W2: 64 tasks, distinct keys, 1 node, one shared client", 64)] {
+    for (w, name, tasks) in [
+        ("W1", "W1: 1 task, sequential, 1 node", 1),
+        (
+            "W2",
+            "W2: 64 tasks, distinct keys, 1 node, one shared client",
+            64,
+        ),
+    ] {
+        if !plan.runs(w) {
+            continue;
+        }
         eprintln!("{name}");
         let mut results: Vec<Vec<f64>> = vec![Vec::new(); single.len()];
+        let mut redis_us: Vec<Vec<f64>> = vec![Vec::new(); single.len()];
         for r in 0..plan.repeats {
             for k in 0..single.len() {
                 let i = (k + r) % single.len();
-                let v = if tasks == 1 { workloads::w1(&clients, single[i], plan.dur).await } else { workloads::w2(&clients, single[i], plan.dur).await };
+                let cpu0 = workloads::redis_cpu(&node);
+                let v = if tasks == 1 {
+                    workloads::w1(&clients, single[i], plan.dur).await
+                } else {
+                    workloads::w2(&clients, single[i], plan.dur).await
+                };
+                let cycles = v * plan.dur.as_secs_f64();
+                redis_us[i].push((workloads::redis_cpu(&node) - cpu0) * 1e6 / cycles.max(1.0));
                 results[i].push(v);
             }
         }
         let floor = spread(&results[2]).0;
         let rslock = spread(&results[4]).0;
-        writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock |\n|---|---|---|---|").unwrap();
+        writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock | Redis CPU per cycle |\n|---|---|---|---|---|").unwrap();
         for (i, lib) in single.iter().enumerate() {
             let m = spread(&results[i]).0;
-            writeln!(md, "| {} | {} | {:.2}× | {:.2}× |", lib.name(), fmt_spread(&results[i], ""), m / floor, m / rslock).unwrap();
+            writeln!(
+                md,
+                "| {} | {} | {:.2}× | {:.2}× | {:.1} µs |",
+                lib.name(),
+                fmt_spread(&results[i], ""),
+                m / floor,
+                m / rslock,
+                spread(&redis_us[i]).0
+            )
+            .unwrap();
         }
         writeln!(md).unwrap();
     }
 
     // W3: one key, 16 tasks in 4 client groups (as 4 processes), hold 1 ms.
-    eprintln!("W3");
-    let contenders = [Lib::Redlease, Lib::Rslock];
-    let mut w3: Vec<Vec<workloads::Contended>> = vec![Vec::new(), Vec::new()];
-    for r in 0..plan.repeats {
-        for k in 0..2 {
-            let i = (k + r) % 2;
-            w3[i].push(workloads::w3(&groups, contenders[i], &node, plan.w3_quota, plan.w3_cap).await);
+    if plan.runs("W3") {
+        eprintln!("W3");
+        let contenders = [Lib::Redlease, Lib::Rslock];
+        let mut w3: Vec<Vec<workloads::Contended>> = vec![Vec::new(), Vec::new()];
+        for r in 0..plan.repeats {
+            for k in 0..2 {
+                let i = (k + r) % 2;
+                w3[i].push(
+                    workloads::w3(&groups, contenders[i], &node, plan.w3_quota, plan.w3_cap).await,
+                );
+            }
         }
-    }
-    writeln!(md, "## W3: 16 tasks, one key, hold 1 ms (4 clients × 4 tasks)\n").unwrap();
-    writeln!(md, "| library | acq/s | hand-off gap p50 / p99 | wait p50 / p99 / max | fairness max/min at first finish | same-task re-acquire | Redis CPU per acq | violations |\n|---|---|---|---|---|---|---|---|").unwrap();
-    let mut p99s = Vec::new();
-    for (i, lib) in contenders.iter().enumerate() {
-        // The median repeat by wait p99.
-        let mut runs: Vec<&workloads::Contended> = w3[i].iter().collect();
-        runs.sort_by_key(|c| c.wait_p99);
-        let c = runs[runs.len() / 2];
-        p99s.push(c.wait_p99);
-        let tput: Vec<f64> = w3[i].iter().map(|c| c.throughput).collect();
-        let (max, min) = c.fairness;
-        let fair = if min == 0 { format!("{max}/0 (a task starved)") } else { format!("{:.2} ({max}/{min})", max as f64 / min as f64) };
         writeln!(
             md,
-            "| {} | {} | {} / {} | {} / {} / {} | {} | {:.1} % | {:.0} µs | {} |",
-            lib.name(), fmt_spread(&tput, ""), ms(c.gap_p50), ms(c.gap_p99), ms(c.wait_p50), ms(c.wait_p99), ms(c.wait_max), fair, c.same_task_share * 100.0, c.redis_cpu_us_per_acq,
-            w3[i].iter().map(|c| c.violations).sum::<usize>()
+            "## W3: 16 tasks, one key, hold 1 ms (4 clients × 4 tasks)\n"
+        )
+        .unwrap();
+        writeln!(md, "| library | acq/s | hand-off gap p50 / p99 | wait p50 / p99 / max | fairness max/min at first finish | same-task re-acquire | Redis CPU per acq | violations |\n|---|---|---|---|---|---|---|---|").unwrap();
+        let mut p99s = Vec::new();
+        for (i, lib) in contenders.iter().enumerate() {
+            // The median repeat by wait p99.
+            let mut runs: Vec<&workloads::Contended> = w3[i].iter().collect();
+            runs.sort_by_key(|c| c.wait_p99);
+            let c = runs[runs.len() / 2];
+            p99s.push(c.wait_p99);
+            let tput: Vec<f64> = w3[i].iter().map(|c| c.throughput).collect();
+            let (max, min) = c.fairness;
+            let fair = if min == 0 {
+                format!("{max}/0 (a task starved)")
+            } else {
+                format!("{:.2} ({max}/{min})", max as f64 / min as f64)
+            };
+            writeln!(
+                md,
+                "| {} | {} | {} / {} | {} / {} / {} | {} | {:.1} % | {:.0} µs | {} |",
+                lib.name(),
+                fmt_spread(&tput, ""),
+                ms(c.gap_p50),
+                ms(c.gap_p99),
+                ms(c.wait_p50),
+                ms(c.wait_p99),
+                ms(c.wait_max),
+                fair,
+                c.same_task_share * 100.0,
+                c.redis_cpu_us_per_acq,
+                w3[i].iter().map(|c| c.violations).sum::<usize>()
+            )
+            .unwrap();
+        }
+        writeln!(
+            md,
+            "\nwait p99: rslock / redlease = {:.1}×\n",
+            p99s[1].as_secs_f64() / p99s[0].as_secs_f64().max(1e-9)
         )
         .unwrap();
     }
-    writeln!(md, "\nwait p99: rslock / redlease = {:.1}×\n", p99s[1].as_secs_f64() / p99s[0].as_secs_f64().max(1e-9)).unwrap();
 
     // W4: Redlock shapes. redlease's Redlock backend is not built yet: rslock rows only.
-    eprintln!("W4");
-    writeln!(md, "## W4: Redlock over 3 and 5 nodes\n\nredlease has no Redlock backend yet (issue \"Redlock mode\"): rslock only, for the record.\n\n| nodes | shape | rslock cycles/s | with one node paused |\n|---|---|---|---|").unwrap();
-    for n in [3usize, 5] {
-        let nodes: Vec<RedisServer> = (0..n).map(|_| RedisServer::start()).collect();
-        let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
-        for (shape, tasks) in [("W1", 1usize), ("W2", 64)] {
-            let mut v = Vec::new();
-            for _ in 0..plan.repeats {
-                v.extend(workloads::w4_rslock(&urls, tasks, plan.dur, Duration::from_secs(5)).await);
+    if plan.runs("W4") {
+        eprintln!("W4");
+        writeln!(md, "## W4: Redlock over 3 and 5 nodes\n\nredlease has no Redlock backend yet (issue \"Redlock mode\"): rslock only, for the record.\n\n| nodes | shape | rslock cycles/s | with one node paused |\n|---|---|---|---|").unwrap();
+        for n in [3usize, 5] {
+            let nodes: Vec<RedisServer> = (0..n).map(|_| RedisServer::start()).collect();
+            let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
+            for (shape, tasks) in [("W1", 1usize), ("W2", 64)] {
+                let mut v = Vec::new();
+                for _ in 0..plan.repeats {
+                    v.extend(
+                        workloads::w4_rslock(&urls, tasks, plan.dur, Duration::from_secs(5)).await,
+                    );
+                }
+                nodes[0].pause();
+                let paused =
+                    workloads::w4_rslock(&urls, tasks, plan.dur, Duration::from_secs(5)).await;
+                nodes[0].resume();
+                let paused = paused.map_or("stalled: a cycle took > 5 s".to_owned(), |c| {
+                    format!("{c:.0}")
+                });
+                writeln!(md, "| {n} | {shape} | {} | {paused} |", fmt_spread(&v, "")).unwrap();
             }
-            nodes[0].pause();
-            let paused = workloads::w4_rslock(&urls, tasks, plan.dur, Duration::from_secs(5)).await;
-            nodes[0].resume();
-            let paused = paused.map_or("stalled: a cycle took > 5 s".to_owned(), |c| format!("{c:.0}"));
-            writeln!(md, "| {n} | {shape} | {} | {paused} |", fmt_spread(&v, "")).unwrap();
         }
+        writeln!(md).unwrap();
     }
-    writeln!(md).unwrap();
 
     // W5: many leases held at once under the watchdog.
-    eprintln!("W5");
-    let w5_node = RedisServer::start();
-    let ttl = Duration::from_secs(3);
-    let h = workloads::w5(&w5_node.url(), &w5_node, plan.w5_leases, ttl, plan.w5_window).await;
-    writeln!(md, "## W5: {} leases held under the watchdog (ttl {ttl:?}, extended every {:?}), {:?} window\n", h.leases, ttl / 3, plan.w5_window).unwrap();
-    writeln!(md, "| measure | value |\n|---|---|").unwrap();
-    writeln!(md, "| time to acquire them (1000 concurrent) | {} |", ms(h.acquire_time)).unwrap();
-    writeln!(md, "| client memory per lease (RSS delta) | {:.0} bytes |", h.bytes_per_lease).unwrap();
-    writeln!(md, "| client CPU | {:.2} % of one core |", h.client_cpu_share * 100.0).unwrap();
-    writeln!(md, "| watchdog rounds in the window | {} |", h.rounds).unwrap();
-    writeln!(md, "| Redis script calls/s | {:.1} (one per 256 leases per round) |", h.scripts_per_sec).unwrap();
-    writeln!(md, "| Redis CPU | {:.1} % of one core |", h.redis_cpu_share * 100.0).unwrap();
-    writeln!(md, "| leases lost | {} |\n", h.lost).unwrap();
+    if plan.runs("W5") {
+        eprintln!("W5");
+        let w5_node = RedisServer::start();
+        let ttl = Duration::from_secs(3);
+        let h = workloads::w5(
+            &w5_node.url(),
+            &w5_node,
+            plan.w5_leases,
+            ttl,
+            plan.w5_window,
+        )
+        .await;
+        writeln!(md, "## W5: {} leases held under the watchdog (ttl {ttl:?}, extended every {:?}), {:?} window\n", h.leases, ttl / 3, plan.w5_window).unwrap();
+        writeln!(md, "| measure | value |\n|---|---|").unwrap();
+        writeln!(
+            md,
+            "| time to acquire them (1000 concurrent) | {} |",
+            ms(h.acquire_time)
+        )
+        .unwrap();
+        writeln!(
+            md,
+            "| client memory per lease (RSS delta) | {:.0} bytes |",
+            h.bytes_per_lease
+        )
+        .unwrap();
+        writeln!(
+            md,
+            "| client CPU | {:.2} % of one core |",
+            h.client_cpu_share * 100.0
+        )
+        .unwrap();
+        writeln!(md, "| watchdog rounds in the window | {} |", h.rounds).unwrap();
+        writeln!(
+            md,
+            "| Redis script calls/s | {:.1} (one per 256 leases per round) |",
+            h.scripts_per_sec
+        )
+        .unwrap();
+        writeln!(
+            md,
+            "| Redis CPU | {:.1} % of one core |",
+            h.redis_cpu_share * 100.0
+        )
+        .unwrap();
+        writeln!(md, "| leases lost | {} |\n", h.lost).unwrap();
+    }
 
     writeln!(md, "_Run took {:.0} s._", started.elapsed().as_secs_f64()).unwrap();
     print!("{md}");

@@ -16,7 +16,11 @@ pub fn spread(v: &[f64]) -> (f64, f64, f64) {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
     let median = if s.is_empty() { 0.0 } else { s[s.len() / 2] };
-    (median, s.first().copied().unwrap_or(0.0), s.last().copied().unwrap_or(0.0))
+    (
+        median,
+        s.first().copied().unwrap_or(0.0),
+        s.last().copied().unwrap_or(0.0),
+    )
 }
 
 pub fn fmt_spread(v: &[f64], unit: &str) -> String {
@@ -56,6 +60,10 @@ fn clock_ticks() -> f64 {
 /// Resident memory of this process, in bytes.
 pub fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     pages * 4096
 }

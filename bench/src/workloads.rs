@@ -61,7 +61,13 @@ pub struct Contended {
 
 /// W3: 16 tasks on one key, each holding 1 ms, until the first task reaches `quota` or
 /// `cap` passes. `clients` are one set per task group (4 groups, like 4 processes).
-pub async fn w3(groups: &[Clients], lib: Lib, srv: &RedisServer, quota: u64, cap: Duration) -> Contended {
+pub async fn w3(
+    groups: &[Clients],
+    lib: Lib,
+    srv: &RedisServer,
+    quota: u64,
+    cap: Duration,
+) -> Contended {
     const TASKS: usize = 16;
     let key = format!("w3:{lib:?}:{}", rand::random::<u32>());
     let counts: Arc<Vec<AtomicU64>> = Arc::new((0..TASKS).map(|_| AtomicU64::new(0)).collect());
@@ -81,13 +87,20 @@ pub async fn w3(groups: &[Clients], lib: Lib, srv: &RedisServer, quota: u64, cap
             let clients = groups[me % groups.len()].clone();
             let key = key.clone();
             let (counts, inside, violations) = (counts.clone(), inside.clone(), violations.clone());
-            let (last_holder, same, last_release) = (last_holder.clone(), same.clone(), last_release.clone());
-            let (waits, gaps, stop, snapshot) = (waits.clone(), gaps.clone(), stop.clone(), snapshot.clone());
+            let (last_holder, same, last_release) =
+                (last_holder.clone(), same.clone(), last_release.clone());
+            let (waits, gaps, stop, snapshot) =
+                (waits.clone(), gaps.clone(), stop.clone(), snapshot.clone());
             tokio::spawn(async move {
                 let mut last_fence = 0;
                 while !stop.load(Ordering::Relaxed) && began.elapsed() < cap {
                     let asked = Instant::now();
-                    let held = match tokio::time::timeout(cap.saturating_sub(began.elapsed()), clients.acquire_waiting(lib, &key)).await {
+                    let held = match tokio::time::timeout(
+                        cap.saturating_sub(began.elapsed()),
+                        clients.acquire_waiting(lib, &key),
+                    )
+                    .await
+                    {
                         Ok(h) => h,
                         Err(_) => break,
                     };
@@ -104,7 +117,9 @@ pub async fn w3(groups: &[Clients], lib: Lib, srv: &RedisServer, quota: u64, cap
                     waits.lock().unwrap().push(got - asked);
                     if let Some(released) = *last_release.lock().unwrap() {
                         if released >= asked {
-                            gaps.lock().unwrap().push(got.saturating_duration_since(released));
+                            gaps.lock()
+                                .unwrap()
+                                .push(got.saturating_duration_since(released));
                         }
                     }
                     if last_holder.swap(me, Ordering::SeqCst) == me {
@@ -118,7 +133,8 @@ pub async fn w3(groups: &[Clients], lib: Lib, srv: &RedisServer, quota: u64, cap
                     if n >= quota {
                         let mut snap = snapshot.lock().unwrap();
                         if snap.is_none() {
-                            let all: Vec<u64> = counts.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+                            let all: Vec<u64> =
+                                counts.iter().map(|c| c.load(Ordering::SeqCst)).collect();
                             *snap = Some((*all.iter().max().unwrap(), *all.iter().min().unwrap()));
                             stop.store(true, Ordering::Relaxed);
                         }
@@ -156,14 +172,22 @@ pub async fn w3(groups: &[Clients], lib: Lib, srv: &RedisServer, quota: u64, cap
 
 /// Redis server CPU seconds (user + system) so far.
 pub fn redis_cpu(srv: &RedisServer) -> f64 {
-    let f = |k| srv.info_field("cpu", k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let f = |k| {
+        srv.info_field("cpu", k)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     f("used_cpu_user") + f("used_cpu_sys")
 }
 
 /// Script calls the server has run.
 pub fn evalsha_calls(srv: &RedisServer) -> u64 {
     srv.info_field("commandstats", "cmdstat_evalsha")
-        .and_then(|s| s.split(',').find_map(|kv| kv.strip_prefix("calls=")).map(str::to_owned))
+        .and_then(|s| {
+            s.split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))
+                .map(str::to_owned)
+        })
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
@@ -185,7 +209,8 @@ pub struct Held {
 /// `window`.
 pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: Duration) -> Held {
     let backend = redlease::RedisBackend::connect(url).await.expect("connect");
-    let locks = redlease::LockManager::with_options(backend, redlease::LockOptions::new().ttl(ttl)).expect("opts");
+    let locks = redlease::LockManager::with_options(backend, redlease::LockOptions::new().ttl(ttl))
+        .expect("opts");
     let rss_before = stats::rss_bytes();
     let began = Instant::now();
     let mut guards = Vec::with_capacity(n);
@@ -199,11 +224,21 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
     }
     let acquire_time = began.elapsed();
     let rss_after = stats::rss_bytes();
-    let (cpu0, calls0, rcpu0, rounds0) = (stats::process_cpu(), evalsha_calls(srv), redis_cpu(srv), locks.watchdog_stats().rounds);
+    let (cpu0, calls0, rcpu0, rounds0) = (
+        stats::process_cpu(),
+        evalsha_calls(srv),
+        redis_cpu(srv),
+        locks.watchdog_stats().rounds,
+    );
     let t0 = Instant::now();
     tokio::time::sleep(window).await;
     let wall = t0.elapsed().as_secs_f64();
-    let (cpu1, calls1, rcpu1, rounds1) = (stats::process_cpu(), evalsha_calls(srv), redis_cpu(srv), locks.watchdog_stats().rounds);
+    let (cpu1, calls1, rcpu1, rounds1) = (
+        stats::process_cpu(),
+        evalsha_calls(srv),
+        redis_cpu(srv),
+        locks.watchdog_stats().rounds,
+    );
     let lost = guards.iter().filter(|g| g.is_lost()).count();
     for g in guards {
         g.forget();
@@ -222,7 +257,12 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
 
 /// W4 for rslock over `urls`: W1 and W2 shapes. Returns cycles/s; `None` if a cycle stalled
 /// past `stall`.
-pub async fn w4_rslock(urls: &[String], shape_tasks: usize, dur: Duration, stall: Duration) -> Option<f64> {
+pub async fn w4_rslock(
+    urls: &[String],
+    shape_tasks: usize,
+    dur: Duration,
+    stall: Duration,
+) -> Option<f64> {
     let lm = rslock::LockManager::new(urls.to_vec());
     let done = Arc::new(AtomicU64::new(0));
     let stalled = Arc::new(AtomicBool::new(false));
@@ -235,7 +275,10 @@ pub async fn w4_rslock(urls: &[String], shape_tasks: usize, dur: Duration, stall
                 while began.elapsed() < dur && !stalled.load(Ordering::Relaxed) {
                     let key = format!("w4:{t}:{}", n % 64);
                     let cycle = async {
-                        let lock = lm.lock(key.as_bytes(), crate::libs::TTL).await.expect("rslock lock");
+                        let lock = lm
+                            .lock(key.as_bytes(), crate::libs::TTL)
+                            .await
+                            .expect("rslock lock");
                         lm.unlock(&lock).await;
                     };
                     if tokio::time::timeout(stall, cycle).await.is_err() {

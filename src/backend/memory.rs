@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use event_listener::Event;
+use event_listener::{Event, IntoNotification};
 
-use crate::backend::{Acquire, Backend, Lease, Subscription};
+use crate::backend::{Acquire, Backend, Lease, Subscription, Waiting};
 use crate::error::Result;
 use crate::token::{LeaseKey, Token};
 
@@ -54,8 +54,9 @@ impl State {
     }
 
     fn wake(&self, key: &LeaseKey) {
+        // One release, one waiter (the longest waiting); see the Redis backend.
         if let Some(event) = self.events.get(key).and_then(Weak::upgrade) {
-            event.notify(usize::MAX);
+            event.notify(1.additional());
         }
     }
 }
@@ -80,11 +81,17 @@ impl Backend for MemoryBackend {
         key: &LeaseKey,
         token: &Token,
         ttl: Duration,
-        _waiting: Option<Duration>,
+        waiting: Waiting,
     ) -> Result<Acquire> {
         let now = Instant::now();
         let mut st = self.state();
         st.sweep(now);
+        // Waiters here are the live subscriptions to the key's release event.
+        let waiters = st.events.get(key).is_some_and(|e| e.strong_count() > 0);
+        if matches!(waiting, Waiting::Arriving { .. }) && waiters {
+            let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
+            return Ok(Acquire::Held { remaining });
+        }
         match st.holder(key, now) {
             Some((holder, _)) if holder != token => {
                 let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
@@ -92,7 +99,8 @@ impl Backend for MemoryBackend {
             }
             held => {
                 let replay = held.is_some();
-                st.leases.insert(key.clone(), (token.clone(), now + ttl));
+                let expires = now.checked_add(ttl).unwrap_or(now);
+                st.leases.insert(key.clone(), (token.clone(), expires));
                 let fence = st.fences.entry(key.clone()).or_insert(0);
                 if !replay {
                     *fence += 1;
@@ -112,7 +120,8 @@ impl Backend for MemoryBackend {
             .iter()
             .map(|l| match st.leases.get_mut(l.key) {
                 Some((t, exp)) if t == l.token && *exp > now => {
-                    *exp = now + l.ttl;
+                    // Callers bound ttl by MAX_TTL; saturate anyway rather than panic.
+                    *exp = now.checked_add(l.ttl).unwrap_or(*exp);
                     Some(l.ttl)
                 }
                 _ => None,

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use event_listener::Event;
+use event_listener::{Event, IntoNotification};
 use fred::clients::SubscriberClient;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
@@ -14,9 +14,9 @@ use fred::types::config::UnresponsiveConfig;
 use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
 
-use crate::backend::{clock_drift, Acquire, Backend, Lease, Subscription};
+use crate::backend::{clock_drift, Acquire, Backend, Lease, Subscription, Waiting};
 use crate::error::{Error, Result};
-use crate::runtime::{compat, Rt};
+use crate::runtime::{self, compat, Rt};
 use crate::token::{LeaseKey, Token};
 
 /// Leases extended by one script call; bigger batches are split and the calls pipelined.
@@ -82,8 +82,16 @@ impl RedisOptions {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.command_timeout.is_zero() || self.connect_timeout.is_zero() {
-            return Err(Error::invalid("Redis timeouts must be above zero"));
+        let hour = Duration::from_secs(3600);
+        for (name, t) in [
+            ("command", self.command_timeout),
+            ("connect", self.connect_timeout),
+        ] {
+            if t.is_zero() || t > hour {
+                return Err(Error::invalid(format!(
+                    "Redis {name} timeout must be above zero and at most an hour, got {t:?}"
+                )));
+            }
         }
         if self.max_command_attempts == 0 {
             return Err(Error::invalid("max_command_attempts must be at least 1"));
@@ -200,7 +208,7 @@ impl RedisBackend {
                 c.connection_timeout = options.connect_timeout;
                 c.internal_command_timeout = options.connect_timeout;
                 c.max_command_attempts = options.max_command_attempts;
-                let silent = options.command_timeout * 2;
+                let silent = options.command_timeout.saturating_mul(2);
                 c.unresponsive = UnresponsiveConfig {
                     max_timeout: Some(silent),
                     interval: (silent / 4).max(Duration::from_millis(5)),
@@ -301,12 +309,20 @@ impl Backend for RedisBackend {
         key: &LeaseKey,
         token: &Token,
         ttl: Duration,
-        waiting: Option<Duration>,
+        waiting: Waiting,
     ) -> Result<Acquire> {
         // The waiters flag outlives the waiter's next re-check, so a release in between
         // still publishes.
-        let flag = waiting.map_or(0, |w| ms(w).saturating_mul(2).saturating_add(100));
-        let args: Vec<Value> = vec![token.as_str().into(), ms(ttl).into(), flag.into()];
+        let flag = waiting
+            .recheck()
+            .map_or(0, |w| ms(w).saturating_mul(2).saturating_add(100));
+        let arriving = i64::from(matches!(waiting, Waiting::Arriving { .. }));
+        let args: Vec<Value> = vec![
+            token.as_str().into(),
+            ms(ttl).into(),
+            flag.into(),
+            arriving.into(),
+        ];
         let reply: Vec<i64> = self
             .eval(&self.inner.scripts.acquire, Self::lease_keys(key), args)
             .await?;
@@ -382,29 +398,37 @@ fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<Strin
 }
 
 impl PubSub {
+    /// Connects the subscriber and installs its handlers on the crate's background runtime,
+    /// so they keep running whichever runtime the waiters use.
     async fn start(&self) -> Result<()> {
-        compat(self.client.init()).await.map_err(Error::backend)?;
+        let client = self.client.clone();
         let channels = self.channels.clone();
-        compat(async {
-            drop(self.client.on_message(move |msg| {
-                if let Some(c) = lock_map(&channels).get(&*msg.channel) {
-                    c.event.notify(usize::MAX);
+        let started = runtime::background().run(async move {
+            client.init().await?;
+            let on_message = channels.clone();
+            drop(client.on_message(move |msg| {
+                // One release, one local waiter (the longest waiting): waking them all would
+                // send every waiter's attempt to Redis for one lease.
+                if let Some(c) = lock_map(&on_message).get(&*msg.channel) {
+                    c.event.notify(1.additional());
                 }
                 futures::future::ready(Ok(()))
             }));
             // Messages published while the connection was down are lost: wake every waiter
             // to re-check at once instead of at its fallback timer.
-            let channels = self.channels.clone();
-            drop(self.client.on_reconnect(move |_| {
+            drop(client.on_reconnect(move |_| {
                 for c in lock_map(&channels).values() {
                     c.event.notify(usize::MAX);
                 }
                 futures::future::ready(Ok(()))
             }));
-            drop(self.client.manage_subscriptions());
-        })
-        .await;
-        Ok(())
+            drop(client.manage_subscriptions());
+            Ok::<_, fred::error::Error>(())
+        });
+        match started.await {
+            Some(result) => result.map_err(Error::backend),
+            None => Err(Error::backend("the background runtime is gone")),
+        }
     }
 
     async fn subscribe(self: &Arc<Self>, channel: String) -> Result<Subscription> {
@@ -422,52 +446,55 @@ impl PubSub {
             c.subscribers += 1;
             (c.event.clone(), c.subscribers == 1)
         };
+        // Made before the SUBSCRIBE is awaited: if this future is dropped or the command
+        // fails, the guard still takes the count back down.
+        let guard = Unsubscribe {
+            pubsub: self.clone(),
+            channel,
+        };
         if first {
-            if let Err(e) = compat(self.client.subscribe(channel.clone())).await {
-                self.forget(&channel);
-                return Err(Error::backend(e));
-            }
+            compat(self.client.subscribe(guard.channel.clone()))
+                .await
+                .map_err(Error::backend)?;
         }
         drop(started);
-        Ok(Subscription::new(event).with_guard(Unsubscribe {
-            pubsub: self.clone(),
-            channel: Some(channel),
-            rt: Rt::current(),
-        }))
-    }
-
-    /// One subscriber fewer; `true` if it was the last.
-    fn forget(&self, channel: &str) -> bool {
-        let mut map = lock_map(&self.channels);
-        match map.get_mut(channel) {
-            Some(c) if c.subscribers > 1 => {
-                c.subscribers -= 1;
-                false
-            }
-            Some(_) => {
-                map.remove(channel);
-                true
-            }
-            None => false,
-        }
+        Ok(Subscription::new(event).with_guard(guard))
     }
 }
 
 struct Unsubscribe {
     pubsub: Arc<PubSub>,
-    channel: Option<String>,
-    rt: Rt,
+    channel: String,
 }
 
 impl Drop for Unsubscribe {
     fn drop(&mut self) {
-        let (Some(channel), pubsub) = (self.channel.take(), self.pubsub.clone()) else {
-            return;
+        let last = {
+            let mut map = lock_map(&self.pubsub.channels);
+            let count = map.get_mut(&self.channel).map(|c| {
+                c.subscribers -= 1;
+                c.subscribers
+            });
+            count == Some(0)
         };
-        self.rt.spawn(async move {
+        if !last {
+            return;
+        }
+        let (pubsub, channel) = (self.pubsub.clone(), std::mem::take(&mut self.channel));
+        // On the background runtime, in the SUBSCRIBE/UNSUBSCRIBE order: a waiter that came
+        // back for this channel in the meantime keeps it subscribed.
+        runtime::background().spawn(async move {
             let _order = pubsub.ops.lock().await;
-            if pubsub.forget(&channel) {
-                let _ = compat(pubsub.client.unsubscribe(channel)).await;
+            let idle = {
+                let mut map = lock_map(&pubsub.channels);
+                let idle = map.get(&channel).is_some_and(|c| c.subscribers == 0);
+                if idle {
+                    map.remove(&channel);
+                }
+                idle
+            };
+            if idle {
+                let _ = pubsub.client.unsubscribe(channel).await;
             }
         });
     }

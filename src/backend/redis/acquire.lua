@@ -3,8 +3,14 @@
 -- KEYS[1] lease key   KEYS[2] fence hash {f = last token, r = last released lease}
 -- KEYS[3] waiters flag   KEYS[4] abandoned tokens (sorted set, see release.lua)
 -- ARGV[1] token   ARGV[2] ttl (ms)   ARGV[3] waiters-flag ttl (ms), 0 when not waiting
+-- ARGV[4] 1 for a waiting acquire's first attempt: it yields to registered waiters
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
   -- A late copy of an attempt that was given up and cleaned up already: never grant it.
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
+  -- Others are waiting: queue behind them rather than take the lock from under them.
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
   return {0, redis.call('PTTL', KEYS[1])}
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
