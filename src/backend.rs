@@ -33,6 +33,12 @@ pub enum Acquire {
         /// The holder's remaining TTL, if the store knows it.
         remaining: Option<Duration>,
     },
+    /// An [`Arriving`](Waiting::Arriving) attempt found waiters registered before it and let
+    /// them go first (the lock may even be free for a moment, about to be taken by one).
+    Yielded {
+        /// The holder's remaining TTL, if there is a holder and the store knows it.
+        remaining: Option<Duration>,
+    },
 }
 
 /// What an acquire attempt is part of, for [`Backend::try_acquire`].

@@ -234,15 +234,18 @@ impl Lock {
         let recheck = opts.retry.max_delay;
         let mut sub: Option<Subscription> = None;
         let mut backoff = opts.retry.min_delay;
+        // A waiting acquire arrives behind the waiters already there: it yields to them until
+        // it has found the lock held (it is then a waiter itself) or has been woken once.
+        let mut arriving = true;
         loop {
             let woken = sub.as_ref().map(Subscription::listen);
             let started = Instant::now();
             // From here until a definite answer, the attempt may hold the lease.
             pending.armed = true;
-            let waiting = match (notify, &sub) {
+            let waiting = match (notify, arriving) {
                 (false, _) => Waiting::No,
-                (true, None) => Waiting::Arriving { recheck },
-                (true, Some(_)) => Waiting::Waiting { recheck },
+                (true, true) => Waiting::Arriving { recheck },
+                (true, false) => Waiting::Waiting { recheck },
             };
             let attempt = pending
                 .backend
@@ -264,7 +267,11 @@ impl Lock {
                         pending,
                     )));
                 }
-                Acquire::Held { remaining } => remaining,
+                Acquire::Held { remaining } => {
+                    arriving = false;
+                    remaining
+                }
+                Acquire::Yielded { remaining } => remaining,
             };
             pending.armed = false;
             if wait.is_none() {
@@ -300,6 +307,7 @@ impl Lock {
                 None => runtime::until(deadline, sleep).await,
             };
             waited.ok_or_else(timeout)?;
+            arriving = false;
         }
     }
 }

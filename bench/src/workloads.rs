@@ -214,9 +214,10 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
     let rss_before = stats::rss_bytes();
     let began = Instant::now();
     let mut guards = Vec::with_capacity(n);
+    let run: u32 = rand::random();
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let batch = futures::future::join_all(chunk.iter().map(|i| {
-            let lock = locks.lock(&format!("w5:{i}"));
+            let lock = locks.lock(&format!("w5:{run}:{i}"));
             async move { lock.try_acquire().await.expect("acquire").expect("free") }
         }))
         .await;

@@ -334,6 +334,9 @@ impl Backend for RedisBackend {
             [0, pttl] => Ok(Acquire::Held {
                 remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
             }),
+            [2, pttl] => Ok(Acquire::Yielded {
+                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+            }),
             _ => Err(Error::backend(format!(
                 "unexpected reply from the acquire script: {reply:?}"
             ))),

@@ -11,7 +11,7 @@ end
 if ARGV[4] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
   -- Others are waiting: queue behind them rather than take the lock from under them.
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
-  return {0, redis.call('PTTL', KEYS[1])}
+  return {2, redis.call('PTTL', KEYS[1])}
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   -- The fence never goes backwards: at least last + 1, and at least the server's clock in
