@@ -28,15 +28,10 @@ pub enum Acquire {
         /// (TTL minus clock-drift margin and, for quorum backends, the time the round took).
         validity: Duration,
     },
-    /// Someone else holds it.
+    /// Someone else holds it (or, for an [`Arriving`](Waiting::Arriving) attempt, others
+    /// are waiting for it: it may be free for a moment, about to be taken by one of them).
     Held {
         /// The holder's remaining TTL, if the store knows it.
-        remaining: Option<Duration>,
-    },
-    /// An [`Arriving`](Waiting::Arriving) attempt found waiters registered before it and let
-    /// them go first (the lock may even be free for a moment, about to be taken by one).
-    Yielded {
-        /// The holder's remaining TTL, if there is a holder and the store knows it.
         remaining: Option<Duration>,
     },
 }
@@ -45,9 +40,10 @@ pub enum Acquire {
 ///
 /// Waiters register with the store (on Redis a short-lived flag beside the lease, so the
 /// release knows to publish). A waiting acquire's first attempt yields to waiters already
-/// registered: it does not take the lock out from under them, but registers and queues behind
-/// them. This stops a holder that releases and re-acquires at once from taking the lock back
-/// before the waiter that was woken can ask for it.
+/// registered: it does not take the lock out from under them. Its later attempts compete as
+/// a waiter. This keeps a holder that releases and re-acquires at once from taking the lock
+/// back before the waiter that was woken can ask for it, and a flag left by a waiter that has
+/// gone costs a newcomer one round trip, never a wait.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Waiting {
@@ -56,7 +52,7 @@ pub enum Waiting {
     #[default]
     No,
     /// A waiting acquire's first attempt: take the lock only if it is free and nobody is
-    /// registered as waiting.
+    /// registered as waiting; do not register.
     Arriving {
         /// How long until the caller checks again at the latest.
         recheck: Duration,

@@ -234,8 +234,8 @@ impl Lock {
         let recheck = opts.retry.max_delay;
         let mut sub: Option<Subscription> = None;
         let mut backoff = opts.retry.min_delay;
-        // A waiting acquire arrives behind the waiters already there: it yields to them until
-        // it has found the lock held (it is then a waiter itself) or has been woken once.
+        // A waiting acquire's first attempt yields to the waiters already there; later ones
+        // compete as a waiter.
         let mut arriving = true;
         loop {
             let woken = sub.as_ref().map(Subscription::listen);
@@ -267,12 +267,9 @@ impl Lock {
                         pending,
                     )));
                 }
-                Acquire::Held { remaining } => {
-                    arriving = false;
-                    remaining
-                }
-                Acquire::Yielded { remaining } => remaining,
+                Acquire::Held { remaining } => remaining,
             };
+            arriving = false;
             pending.armed = false;
             if wait.is_none() {
                 return Ok(None);
@@ -307,7 +304,6 @@ impl Lock {
                 None => runtime::until(deadline, sleep).await,
             };
             waited.ok_or_else(timeout)?;
-            arriving = false;
         }
     }
 }

@@ -215,6 +215,33 @@ async fn waiter_is_woken_by_the_release(store: Store) {
     g.release().await.unwrap();
 }
 
+/// After a contended hand-off the waiters' registration can outlive the waiters; a newcomer
+/// on the then free lock must get it at once, not after a fallback re-check (set to a minute
+/// here, so only that bug could make this wait).
+async fn a_free_lock_is_taken_at_once_after_contention(store: Store) {
+    let slow_fallback = RetryPolicy::notify().max_delay(Duration::from_secs(60));
+    let a = store.manager(opts().retry(slow_fallback.clone())).await;
+    let b = store.manager(opts().retry(slow_fallback)).await;
+    let held = a.lock("after").acquire().await.unwrap();
+    let waiting = b.lock("after");
+    let waiter = tokio::spawn(async move { waiting.acquire().await });
+    tokio::time::sleep(Duration::from_millis(100)).await; // the waiter registers meanwhile
+    held.release().await.unwrap();
+    within("hand-off", waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    for locks in [&a, &b, &a] {
+        let g = within("a free lock", locks.lock("after").acquire())
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+}
+
 async fn drop_releases_in_the_background(store: Store) {
     let a = store.manager(opts()).await;
     let b = store.manager(opts()).await;
@@ -388,6 +415,7 @@ conformance!(
     manual_extend_moves_the_deadline,
     waiter_is_woken_by_the_release,
     drop_releases_in_the_background,
+    a_free_lock_is_taken_at_once_after_contention,
     crashed_holder_frees_the_lock_by_ttl,
     dropped_acquire_futures_leave_no_lease,
     lost_resolves_once_the_guard_is_released,

@@ -90,7 +90,7 @@ impl Backend for MemoryBackend {
         let waiters = st.events.get(key).is_some_and(|e| e.strong_count() > 0);
         if matches!(waiting, Waiting::Arriving { .. }) && waiters {
             let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
-            return Ok(Acquire::Yielded { remaining });
+            return Ok(Acquire::Held { remaining });
         }
         match st.holder(key, now) {
             Some((holder, _)) if holder != token => {

@@ -19,6 +19,25 @@ use crate::error::{Error, Result};
 use crate::runtime::{self, compat, Rt};
 use crate::token::{LeaseKey, Token};
 
+mod batch;
+
+use batch::Batcher;
+
+/// One acquire attempt, as queued for a batched script call.
+struct AcquireReq {
+    key: LeaseKey,
+    token: Token,
+    ttl: Duration,
+    waiting: Waiting,
+}
+
+/// One release (tombstone zero) or abandon (tombstone > 0), as queued.
+struct ReleaseReq {
+    key: LeaseKey,
+    token: Token,
+    tombstone: Duration,
+}
+
 /// Leases extended by one script call; bigger batches are split and the calls pipelined.
 const EXTEND_CHUNK: usize = 256;
 
@@ -124,6 +143,8 @@ struct Inner {
     scripts: Scripts,
     pubsub: Arc<PubSub>,
     clustered: bool,
+    acquires: Batcher<AcquireReq, Acquire>,
+    releases: Batcher<ReleaseReq, bool>,
 }
 
 struct Scripts {
@@ -231,6 +252,8 @@ impl RedisBackend {
                     channels: Arc::default(),
                 }),
                 clustered,
+                acquires: Batcher::default(),
+                releases: Batcher::default(),
             }),
         })
     }
@@ -260,21 +283,90 @@ impl RedisBackend {
         ]
     }
 
-    async fn release_script(
+    /// Sends acquire attempts as one script call; one reply per attempt, in order.
+    async fn acquire_batch(&self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
+        let mut keys = Vec::with_capacity(reqs.len() * 4);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
+        for r in &reqs {
+            keys.extend(Self::lease_keys(&r.key));
+            // The waiters flag outlives the waiter's next re-check, so a release in between
+            // still publishes.
+            let flag = r
+                .waiting
+                .recheck()
+                .map_or(0, |w| ms(w).saturating_mul(2).saturating_add(100));
+            let arriving = i64::from(matches!(r.waiting, Waiting::Arriving { .. }));
+            args.extend([
+                r.token.as_str().into(),
+                ms(r.ttl).into(),
+                flag.into(),
+                arriving.into(),
+            ]);
+        }
+        let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
+        if reply.len() != reqs.len() * 2 {
+            return Err(Error::backend(format!(
+                "acquire script returned {} values for {} attempts",
+                reply.len(),
+                reqs.len()
+            )));
+        }
+        let remaining = |pttl: i64| u64::try_from(pttl).ok().map(Duration::from_millis);
+        reqs.iter()
+            .zip(reply.chunks(2))
+            .map(|(r, pair)| match pair {
+                [1, fence] => Ok(Acquire::Acquired {
+                    fencing_token: u64::try_from(*fence).unwrap_or(0),
+                    validity: r.ttl.saturating_sub(clock_drift(r.ttl)),
+                }),
+                [0, pttl] => Ok(Acquire::Held {
+                    remaining: remaining(*pttl),
+                }),
+                other => Err(Error::backend(format!(
+                    "unexpected reply from the acquire script: {other:?}"
+                ))),
+            })
+            .collect()
+    }
+
+    /// Sends releases and abandons as one script call; one reply per request, in order.
+    async fn release_batch(&self, reqs: Vec<ReleaseReq>) -> Result<Vec<bool>> {
+        let mut keys = Vec::with_capacity(reqs.len() * 4);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 3);
+        for r in &reqs {
+            keys.extend(Self::lease_keys(&r.key));
+            args.extend([
+                r.token.as_str().into(),
+                r.key.derived("released").into(),
+                ms(r.tombstone).into(),
+            ]);
+        }
+        let reply: Vec<i64> = self.eval(&self.inner.scripts.release, keys, args).await?;
+        if reply.len() != reqs.len() {
+            return Err(Error::backend("release script returned the wrong count"));
+        }
+        Ok(reply.into_iter().map(|n| n == 1).collect())
+    }
+
+    async fn release_one(
         &self,
         key: &LeaseKey,
         token: &Token,
         tombstone: Duration,
     ) -> Result<bool> {
-        let args: Vec<Value> = vec![
-            token.as_str().into(),
-            key.derived("released").into(),
-            ms(tombstone).into(),
-        ];
-        let n: i64 = self
-            .eval(&self.inner.scripts.release, Self::lease_keys(key), args)
-            .await?;
-        Ok(n == 1)
+        let req = ReleaseReq {
+            key: key.clone(),
+            token: token.clone(),
+            tombstone,
+        };
+        if self.inner.clustered {
+            // A script may only touch one slot on a cluster: no group commit there.
+            return Ok(self.release_batch(vec![req]).await?.remove(0));
+        }
+        self.inner
+            .releases
+            .call(req, |reqs| self.release_batch(reqs))
+            .await
     }
 
     /// Splits a batch into script calls of at most [`EXTEND_CHUNK`] leases, per hash slot on
@@ -311,36 +403,20 @@ impl Backend for RedisBackend {
         ttl: Duration,
         waiting: Waiting,
     ) -> Result<Acquire> {
-        // The waiters flag outlives the waiter's next re-check, so a release in between
-        // still publishes.
-        let flag = waiting
-            .recheck()
-            .map_or(0, |w| ms(w).saturating_mul(2).saturating_add(100));
-        let arriving = i64::from(matches!(waiting, Waiting::Arriving { .. }));
-        let args: Vec<Value> = vec![
-            token.as_str().into(),
-            ms(ttl).into(),
-            flag.into(),
-            arriving.into(),
-        ];
-        let reply: Vec<i64> = self
-            .eval(&self.inner.scripts.acquire, Self::lease_keys(key), args)
-            .await?;
-        match reply[..] {
-            [1, fence] => Ok(Acquire::Acquired {
-                fencing_token: u64::try_from(fence).unwrap_or(0),
-                validity: ttl.saturating_sub(clock_drift(ttl)),
-            }),
-            [0, pttl] => Ok(Acquire::Held {
-                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-            }),
-            [2, pttl] => Ok(Acquire::Yielded {
-                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-            }),
-            _ => Err(Error::backend(format!(
-                "unexpected reply from the acquire script: {reply:?}"
-            ))),
+        let req = AcquireReq {
+            key: key.clone(),
+            token: token.clone(),
+            ttl,
+            waiting,
+        };
+        if self.inner.clustered {
+            // A script may only touch one slot on a cluster: no group commit there.
+            return Ok(self.acquire_batch(vec![req]).await?.remove(0));
         }
+        self.inner
+            .acquires
+            .call(req, |reqs| self.acquire_batch(reqs))
+            .await
     }
 
     async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
@@ -369,11 +445,11 @@ impl Backend for RedisBackend {
     }
 
     async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        self.release_script(key, token, Duration::ZERO).await
+        self.release_one(key, token, Duration::ZERO).await
     }
 
     async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        self.release_script(key, token, TOMBSTONE).await
+        self.release_one(key, token, TOMBSTONE).await
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
