@@ -266,8 +266,13 @@ impl Drop for Running {
     }
 }
 
+/// How long the task stays when no lease is held, so that a manager taking one lease at a
+/// time does not start a task per lease.
+const LINGER: Duration = Duration::from_secs(10);
+
 async fn run(running: Running) {
     let shared = &running.shared;
+    let mut idle_since: Option<Instant> = None;
     loop {
         let wake = shared.wake.listen();
         let now = Instant::now();
@@ -279,32 +284,43 @@ async fn run(running: Running) {
             reg.entries.retain(|_, e| !e.state.check_lost());
             reg.stats.lost += (before - reg.entries.len()) as u64;
             reg.stats.leases = reg.entries.len();
-            let Some(first_due) = reg.entries.values().map(|e| e.next_due).min() else {
-                // Cleared under the lock that saw the registry empty: a registration after it
-                // starts a new task.
-                reg.running = None;
-                reg.wake_at = None;
-                return;
-            };
-            // A round starts when the first lease is due, and takes along every lease due
-            // within half its interval: leases acquired at different moments fall into the
-            // same round after their first extension.
-            if first_due <= now {
-                for (&id, e) in reg.entries.iter() {
-                    if e.next_due <= now + e.interval / 2 {
-                        due.push(Due {
-                            id,
-                            key: e.key.clone(),
-                            token: e.token.clone(),
-                            ttl: e.ttl,
-                        });
-                        let d = e.state.deadline();
-                        earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
+            match reg.entries.values().map(|e| e.next_due).min() {
+                None => {
+                    let since = *idle_since.get_or_insert(now);
+                    if now >= since + LINGER {
+                        // Cleared under the lock that saw the registry empty: a registration
+                        // after it starts a new task.
+                        reg.running = None;
+                        reg.wake_at = None;
+                        return;
                     }
+                    // Idle: a registration wakes the task only if due before the linger ends.
+                    reg.wake_at = Some(since + LINGER);
+                    since + LINGER
+                }
+                Some(first_due) => {
+                    idle_since = None;
+                    // A round starts when the first lease is due, and takes along every lease
+                    // due within half its interval: leases acquired at different moments fall
+                    // into the same round after their first extension.
+                    if first_due <= now {
+                        for (&id, e) in reg.entries.iter() {
+                            if e.next_due <= now + e.interval / 2 {
+                                due.push(Due {
+                                    id,
+                                    key: e.key.clone(),
+                                    token: e.token.clone(),
+                                    ttl: e.ttl,
+                                });
+                                let d = e.state.deadline();
+                                earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
+                            }
+                        }
+                    }
+                    reg.wake_at = due.is_empty().then_some(first_due);
+                    first_due
                 }
             }
-            reg.wake_at = due.is_empty().then_some(first_due);
-            first_due
         };
         if due.is_empty() {
             let timer = std::pin::pin!(runtime::sleep_until(next_wake));
