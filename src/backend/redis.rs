@@ -24,6 +24,7 @@ mod batch;
 use batch::Batcher;
 
 /// One acquire attempt, as queued for a batched script call.
+#[derive(Clone)]
 struct AcquireReq {
     key: LeaseKey,
     token: Token,
@@ -32,6 +33,7 @@ struct AcquireReq {
 }
 
 /// One release (tombstone zero) or abandon (tombstone > 0), as queued.
+#[derive(Clone)]
 struct ReleaseReq {
     key: LeaseKey,
     token: Token,

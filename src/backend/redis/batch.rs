@@ -10,8 +10,10 @@
 //! costs only an uncontended mutex, and batches form only under load.
 //!
 //! Cancellation: a queued caller whose future is dropped is never sent (its request never
-//! reached the store). A leader dropped mid-call hands the queue on as usual; the callers in
-//! its in-flight batch get an error, as for any failed command, and their clean-up runs.
+//! reached the store). A leader dropped mid-call hands the queue on as usual, and the callers
+//! in its in-flight batch submit their requests again: every script is idempotent for the
+//! same token (an acquire that did run finds its own lease, a release that did run finds its
+//! latch), so one caller's cancellation never fails another's call.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,8 +44,8 @@ struct Waiter<Req, Resp> {
 enum Message<Req, Resp> {
     Done(Result<Resp>),
     /// You lead: send your own request (handed back) with these, in this slot. If the message
-    /// is dropped unread (the caller gave up at that moment), the slot passes on by itself;
-    /// the callers in `others` then get an error.
+    /// is dropped unread (the caller gave up at that moment), the slot passes on by itself
+    /// and the callers in `others` submit again.
     Lead(Req, Vec<Waiter<Req, Resp>>, Slot<Req, Resp>),
 }
 
@@ -101,10 +103,24 @@ impl<Req, Resp> Drop for Slot<Req, Resp> {
     }
 }
 
-impl<Req, Resp> Batcher<Req, Resp> {
+impl<Req: Clone, Resp> Batcher<Req, Resp> {
     /// Runs `req`, possibly together with others, through `send` (one script call for all the
-    /// requests it is given, returning one response per request, in order).
+    /// requests it is given, returning one response per request, in order). `send` must be
+    /// idempotent per request: a request whose leader was cancelled is sent again.
     pub(super) async fn call<F, Fut>(&self, req: Req, send: F) -> Result<Resp>
+    where
+        F: Fn(Vec<Req>) -> Fut,
+        Fut: Future<Output = Result<Vec<Resp>>>,
+    {
+        loop {
+            if let Some(resp) = self.try_call(req.clone(), &send).await {
+                return resp;
+            }
+        }
+    }
+
+    /// One submission; `None` if the call carrying it was cancelled before it answered.
+    async fn try_call<F, Fut>(&self, req: Req, send: &F) -> Option<Result<Resp>>
     where
         F: Fn(Vec<Req>) -> Fut,
         Fut: Future<Output = Result<Vec<Resp>>>,
@@ -128,20 +144,21 @@ impl<Req, Resp> Batcher<Req, Resp> {
                 (own, Vec::new(), slot)
             }
             Ok(rx) => match rx.await {
-                Ok(Message::Done(resp)) => return resp,
+                Ok(Message::Done(resp)) => return Some(resp),
                 // The slot of the call that just finished is ours now.
                 Ok(Message::Lead(own, others, slot)) => (own, others, slot),
-                Err(_) => return Err(Error::backend("the batched call was cancelled")),
+                // The leader carrying this request was cancelled.
+                Err(_) => return None,
             },
         };
         let resp = lead(own, others, send).await;
         drop(slot);
-        resp
+        Some(resp)
     }
 }
 
 /// Sends `own` with `others` and hands every caller its reply.
-async fn lead<Req, Resp, F, Fut>(own: Req, others: Vec<Waiter<Req, Resp>>, send: F) -> Result<Resp>
+async fn lead<Req, Resp, F, Fut>(own: Req, others: Vec<Waiter<Req, Resp>>, send: &F) -> Result<Resp>
 where
     F: Fn(Vec<Req>) -> Fut,
     Fut: Future<Output = Result<Vec<Resp>>>,
