@@ -8,17 +8,6 @@ use std::time::Duration;
 use redlease::{LockManager, LockOptions, RedisBackend};
 use support::{wait_for_async, RedisServer};
 
-fn script_calls(srv: &RedisServer) -> u64 {
-    srv.info_field("commandstats", "cmdstat_evalsha")
-        .and_then(|s| {
-            s.split(',')
-                .find_map(|kv| kv.strip_prefix("calls="))
-                .map(str::to_owned)
-        })
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
-
 async fn manager(srv: &RedisServer) -> LockManager {
     let backend = RedisBackend::connect(&srv.url()).await.expect("connect");
     LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(30)))
@@ -31,7 +20,7 @@ async fn manager(srv: &RedisServer) -> LockManager {
 async fn concurrent_calls_share_script_calls() {
     let srv = RedisServer::start();
     let locks = manager(&srv).await;
-    let before = script_calls(&srv);
+    let before = srv.script_calls();
     let tasks: Vec<_> = (0..64)
         .map(|t| {
             let locks = locks.clone();
@@ -47,7 +36,7 @@ async fn concurrent_calls_share_script_calls() {
     for t in tasks {
         t.await.expect("task");
     }
-    let calls = script_calls(&srv) - before;
+    let calls = srv.script_calls() - before;
     let operations = 64 * 50 * 2;
     assert!(
         calls < operations,

@@ -15,17 +15,6 @@ use support::RedisServer;
 
 const LEASES: usize = 1000;
 
-/// Script calls the server has run (Redis counts the commands a script makes as commands
-/// too, so `total_commands_processed` would not show the batching).
-fn evalsha_calls(srv: &RedisServer) -> u64 {
-    let stat = srv
-        .info_field("commandstats", "cmdstat_evalsha")
-        .unwrap_or_default();
-    stat.split(',')
-        .find_map(|kv| kv.strip_prefix("calls="))
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 async fn hold_many(locks: &LockManager) -> Vec<redlease::LockGuard> {
     let mut guards = Vec::with_capacity(LEASES);
     for i in 0..LEASES {
@@ -44,13 +33,13 @@ async fn thousand_leases_cost_a_few_round_trips_per_tick() {
     let guards = hold_many(&locks).await;
 
     let before = locks.watchdog_stats();
-    let cmds_before = evalsha_calls(&srv);
+    let cmds_before = srv.script_calls();
     let began = Instant::now();
     // Several TTLs pass: that is the point of the test, not synchronisation.
     tokio::time::sleep(Duration::from_millis(2000)).await;
     let elapsed = began.elapsed();
     let after = locks.watchdog_stats();
-    let cmds = evalsha_calls(&srv) - cmds_before;
+    let cmds = srv.script_calls() - cmds_before;
 
     let rounds = after.rounds - before.rounds;
     let extended = after.extended - before.extended;

@@ -180,18 +180,6 @@ pub fn redis_cpu(srv: &RedisServer) -> f64 {
     f("used_cpu_user") + f("used_cpu_sys")
 }
 
-/// Script calls the server has run.
-pub fn evalsha_calls(srv: &RedisServer) -> u64 {
-    srv.info_field("commandstats", "cmdstat_evalsha")
-        .and_then(|s| {
-            s.split(',')
-                .find_map(|kv| kv.strip_prefix("calls="))
-                .map(str::to_owned)
-        })
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
-
 /// What W5 measures.
 #[derive(Debug)]
 pub struct Held {
@@ -227,7 +215,7 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
     let rss_after = stats::rss_bytes();
     let (cpu0, calls0, rcpu0, rounds0) = (
         stats::process_cpu(),
-        evalsha_calls(srv),
+        srv.script_calls(),
         redis_cpu(srv),
         locks.watchdog_stats().rounds,
     );
@@ -236,7 +224,7 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
     let wall = t0.elapsed().as_secs_f64();
     let (cpu1, calls1, rcpu1, rounds1) = (
         stats::process_cpu(),
-        evalsha_calls(srv),
+        srv.script_calls(),
         redis_cpu(srv),
         locks.watchdog_stats().rounds,
     );

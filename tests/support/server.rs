@@ -393,6 +393,19 @@ impl RedisServer {
             .unwrap_or_else(|| panic!("support: CLIENT KILL TYPE pubsub replied {r:?}"))
     }
 
+    /// Script calls (`EVALSHA`) the server has run, from `INFO commandstats`. (Redis counts
+    /// the commands a script makes as commands too, so `total_commands` cannot show how many
+    /// leases rode in one call.)
+    pub fn script_calls(&self) -> u64 {
+        self.info_field("commandstats", "cmdstat_evalsha")
+            .and_then(|s| {
+                s.split(',')
+                    .find_map(|kv| kv.strip_prefix("calls="))
+                    .and_then(|n| n.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
     /// `total_commands_processed` from `INFO stats`. The harness's own commands
     /// count too: each `total_commands()` call adds 1 (its INFO, counted after
     /// it replies), plus 1 for AUTH when harness auth is configured.
