@@ -43,7 +43,8 @@ impl fmt::Debug for Token {
 ///
 /// Every key of one lock carries the same `{...}` hash tag, so multi-key scripts stay in one
 /// slot on Redis Cluster. The name is escaped (`%` → `%25`, `{` → `%7B`, `}` → `%7D`) so that
-/// any name (braces, unicode, NUL, 10 KB) maps to a distinct key with a non-empty tag.
+/// any name (braces, unicode, NUL, 10 KB) maps to a distinct key with a non-empty tag. The
+/// derived names the backends use are made once, with the key.
 ///
 /// ```
 /// let k = redlease::LeaseKey::new("redlease:", "orders:42");
@@ -54,8 +55,27 @@ impl fmt::Debug for Token {
 ///     redlease::LeaseKey::new("p:", "a%7Db").as_str()
 /// );
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct LeaseKey(Arc<str>);
+#[derive(Clone)]
+pub struct LeaseKey(Arc<Names>);
+
+/// All names of one lock in one buffer: the key, then each derived name.
+struct Names {
+    all: String,
+    /// End of the key, then of each of [`PARTS`] in order.
+    ends: [usize; 1 + PARTS.len()],
+}
+
+/// The derived names made with every key, in order: see [`Part`].
+const PARTS: [&str; 4] = ["fence", "waiters", "abandoned", "released"];
+
+/// A derived name of a lock (the Redis layout's keys and channel beside the lease).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Part {
+    Fence = 0,
+    Waiters = 1,
+    Abandoned = 2,
+    Released = 3,
+}
 
 impl LeaseKey {
     /// The key of lock `name` under `prefix`. The caller validates both (non-empty name,
@@ -73,29 +93,77 @@ impl LeaseKey {
             }
         }
         key.push('}');
-        LeaseKey(key.into())
+        let mut all = String::with_capacity(key.len() * 5 + 40);
+        all.push_str(&key);
+        let mut ends = [all.len(); 1 + PARTS.len()];
+        for (i, part) in PARTS.iter().enumerate() {
+            all.push_str(&key);
+            all.push(':');
+            all.push_str(part);
+            ends[i + 1] = all.len();
+        }
+        LeaseKey(Arc::new(Names { all, ends }))
     }
 
     /// The lease key itself.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.0.all[..self.0.ends[0]]
     }
 
     /// A key beside the lease that shares its hash tag: `<key>:<suffix>`.
     pub fn derived(&self, suffix: &str) -> String {
-        format!("{}:{suffix}", self.0)
+        format!("{}:{suffix}", self.as_str())
+    }
+
+    /// A derived name made with the key (no allocation).
+    pub(crate) fn part(&self, part: Part) -> &str {
+        let i = part as usize;
+        &self.0.all[self.0.ends[i]..self.0.ends[i + 1]]
+    }
+}
+
+impl PartialEq for LeaseKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for LeaseKey {}
+
+impl std::hash::Hash for LeaseKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
     }
 }
 
 impl fmt::Debug for LeaseKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let shown: String = self.0.chars().take(80).collect();
+        let shown: String = self.as_str().chars().take(80).collect();
         write!(f, "LeaseKey({shown:?})")
     }
 }
 
 impl fmt::Display for LeaseKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_the_derived_names() {
+        let k = LeaseKey::new("p:", "a{b}");
+        for (part, suffix) in [
+            (Part::Fence, "fence"),
+            (Part::Waiters, "waiters"),
+            (Part::Abandoned, "abandoned"),
+            (Part::Released, "released"),
+        ] {
+            assert_eq!(k.part(part), k.derived(suffix));
+        }
+        assert_eq!(k.as_str(), "p:{a%7Bb%7D}");
     }
 }

@@ -1339,3 +1339,28 @@ async fn cancelled_waits_leave_no_subscription_behind() {
         .expect("woken by the release");
     g.release().await.expect("release");
 }
+
+/// The fence is the larger of the counter + 1 and the server clock in µs: when the counter
+/// is ahead (the server's clock stepped back, or tokens were minted faster than the clock
+/// moved), tokens still go up by one each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_keep_increasing_when_the_counter_is_ahead_of_the_clock() {
+    let srv = RedisServer::start();
+    let m = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    let lock = m.lock("clock-behind");
+    let first = lock.acquire().await.expect("acquire");
+    let t0 = first.fencing_token();
+    first.release().await.expect("release");
+    // As if the clock had been a year ahead when the last token was minted.
+    let ahead = t0 + 365 * 24 * 3600 * 1_000_000;
+    let fence = lock.key().derived("fence");
+    assert_eq!(
+        srv.cmd(&["HSET", &fence, "f", &ahead.to_string()]).as_int(),
+        Some(0)
+    );
+    for step in 1..=3 {
+        let g = lock.acquire().await.expect("acquire");
+        assert_eq!(g.fencing_token(), ahead + step);
+        g.release().await.expect("release");
+    }
+}

@@ -17,7 +17,7 @@ use fred::types::{FromValue, Key, Value};
 use crate::backend::{clock_drift, Acquire, Backend, Lease, Subscription, Waiting};
 use crate::error::{Error, Result};
 use crate::runtime::{self, compat, Rt};
-use crate::token::{LeaseKey, Token};
+use crate::token::{LeaseKey, Part, Token};
 
 mod batch;
 
@@ -279,9 +279,9 @@ impl RedisBackend {
     fn lease_keys(key: &LeaseKey) -> Vec<Key> {
         vec![
             key.as_str().into(),
-            key.derived("fence").into(),
-            key.derived("waiters").into(),
-            key.derived("abandoned").into(),
+            key.part(Part::Fence).into(),
+            key.part(Part::Waiters).into(),
+            key.part(Part::Abandoned).into(),
         ]
     }
 
@@ -339,7 +339,7 @@ impl RedisBackend {
             keys.extend(Self::lease_keys(&r.key));
             args.extend([
                 r.token.as_str().into(),
-                r.key.derived("released").into(),
+                r.key.part(Part::Released).into(),
                 ms(r.tombstone).into(),
             ]);
         }
@@ -455,7 +455,8 @@ impl Backend for RedisBackend {
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
-        self.inner.pubsub.subscribe(key.derived("released")).await
+        let channel = key.part(Part::Released).to_owned();
+        self.inner.pubsub.subscribe(channel).await
     }
 }
 
