@@ -1364,3 +1364,36 @@ async fn fencing_tokens_keep_increasing_when_the_counter_is_ahead_of_the_clock()
         g.release().await.expect("release");
     }
 }
+
+/// A waiting acquire's first attempt yields to registered waiters, but a copy of it sent
+/// again (after a reconnect) once it holds the lease must find its own lease, not report it
+/// held by someone else (it would then stop guarding against an orphan).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_first_attempt_finds_its_own_lease_despite_waiters() {
+    let srv = RedisServer::start();
+    let b = backend(&srv).await;
+    let key = LeaseKey::new("faults:", "resent-arriving");
+    let (t, other) = (Token::random(), Token::random());
+    let arriving = Waiting::Arriving { recheck: secs(1) };
+    let first = b
+        .try_acquire(&key, &t, secs(10), arriving)
+        .await
+        .expect("acquire");
+    let Acquire::Acquired { fencing_token, .. } = first else {
+        panic!("free lock not granted: {first:?}");
+    };
+    let waiter = Waiting::Waiting { recheck: secs(1) };
+    let queued = b
+        .try_acquire(&key, &other, secs(10), waiter)
+        .await
+        .expect("waiter");
+    assert!(matches!(queued, Acquire::Held { .. }), "{queued:?}");
+    let again = b
+        .try_acquire(&key, &t, secs(10), arriving)
+        .await
+        .expect("re-sent");
+    assert!(
+        matches!(again, Acquire::Acquired { fencing_token: f, .. } if f == fencing_token),
+        "the re-sent attempt did not find its own lease: {again:?}"
+    );
+}

@@ -105,3 +105,37 @@ async fn cancelled_callers_leave_no_lease_and_no_stuck_queue() {
         g.release().await.expect("release");
     }
 }
+
+/// A caller that stops polling its future holds up only its own request: here a stream of
+/// acquires is left half-consumed (its in-flight futures are alive but no longer polled)
+/// while the same manager serves another call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpolled_future_does_not_hold_up_other_callers() {
+    use futures::StreamExt;
+    let srv = RedisServer::start();
+    let locks = manager(&srv).await;
+    let mut stream = futures::stream::iter(0..32)
+        .map(|i| {
+            let lock = locks.lock(&format!("stalled:{i}"));
+            async move { lock.try_acquire().await }
+        })
+        .buffer_unordered(32);
+    let first = stream.next().await.expect("an item").expect("acquire");
+    assert!(first.is_some());
+    // `stream` is not polled again until the end of the test.
+    for n in 0..20 {
+        let other = tokio::time::timeout(
+            Duration::from_secs(5),
+            locks.lock(&format!("other:{n}")).try_acquire(),
+        )
+        .await
+        .expect("another caller is served while the stream sits unpolled");
+        other
+            .expect("acquire")
+            .expect("free")
+            .release()
+            .await
+            .expect("release");
+    }
+    drop(stream);
+}

@@ -365,9 +365,13 @@ impl RedisBackend {
             // A script may only touch one slot on a cluster: no group commit there.
             return Ok(self.release_batch(vec![req]).await?.remove(0));
         }
+        let this = self.clone();
         self.inner
             .releases
-            .call(req, |reqs| self.release_batch(reqs))
+            .call(req, move |reqs| {
+                let this = this.clone();
+                async move { this.release_batch(reqs).await }
+            })
             .await
     }
 
@@ -415,9 +419,13 @@ impl Backend for RedisBackend {
             // A script may only touch one slot on a cluster: no group commit there.
             return Ok(self.acquire_batch(vec![req]).await?.remove(0));
         }
+        let this = self.clone();
         self.inner
             .acquires
-            .call(req, |reqs| self.acquire_batch(reqs))
+            .call(req, move |reqs| {
+                let this = this.clone();
+                async move { this.acquire_batch(reqs).await }
+            })
             .await
     }
 

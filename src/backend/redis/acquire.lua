@@ -21,10 +21,12 @@ for i = 0, #KEYS / 4 - 1 do
   if redis.call('ZSCORE', abandoned, token) then
     -- A late copy of an attempt that was given up and cleaned up already: never grant it.
     code, value = 0, redis.call('PTTL', lease)
-  elseif arriving == '1' and redis.call('EXISTS', waiters) == 1 then
-    -- Others are waiting: let them go first rather than take the lock from under them. The
-    -- flag is not refreshed here: a flag left by waiters that have gone must not outlive
-    -- them on newcomers' account.
+  elseif arriving == '1' and redis.call('EXISTS', waiters) == 1
+      and redis.call('GET', lease) ~= token then
+    -- Others are waiting: let them go first rather than take the lock from under them (but
+    -- a re-sent attempt that holds the lease already is answered below). The flag is not
+    -- refreshed here: a flag left by waiters that have gone must not outlive them on
+    -- newcomers' account.
     code, value = 0, redis.call('PTTL', lease)
   elseif redis.call('SET', lease, token, 'NX', 'PX', ttl) then
     local last = tonumber(redis.call('HGET', fence, 'f') or '0')
@@ -32,6 +34,7 @@ for i = 0, #KEYS / 4 - 1 do
     redis.call('HSET', fence, 'f', string.format('%.0f', value))
     code = 1
   elseif redis.call('GET', lease) == token then
+    -- Ours already: a re-sent attempt (after a reconnect, or sent again).
     redis.call('PEXPIRE', lease, ttl)
     code, value = 1, tonumber(redis.call('HGET', fence, 'f') or '0')
   else
