@@ -258,8 +258,8 @@ impl LockGuard {
             .backend
             .release(&held.release.key, &held.release.token)
             .await;
+        // Dropping `held` below marks the lease lost, so `lost()` resolves.
         held.release.armed = false;
-        held.state.mark_lost();
         match released {
             Ok(true) if !was_lost => Ok(()),
             Ok(_) => Err(Error::NotHeld),

@@ -73,10 +73,10 @@ impl Rt {
                 drop(handle.spawn(fut));
             }
             #[cfg(feature = "smol")]
-            Rt::Smol => smol::spawn(compat(fut)).detach(),
+            Rt::Smol => smol::spawn(in_tokio(fut)).detach(),
             #[cfg(all(feature = "async-std", not(feature = "smol")))]
             Rt::AsyncStd => {
-                drop(async_std::task::spawn(compat(fut)));
+                drop(async_std::task::spawn(in_tokio(fut)));
             }
             #[cfg(not(any(feature = "smol", feature = "async-std")))]
             Rt::Unavailable => drop(fut),
@@ -170,7 +170,7 @@ impl<F> PinnedDrop for InTokio<F> {
 }
 
 /// Polls a fred future in a tokio context.
-pub(crate) fn compat<F: Future>(fut: F) -> InTokio<F> {
+pub(crate) fn in_tokio<F: Future>(fut: F) -> InTokio<F> {
     InTokio { inner: Some(fut) }
 }
 
@@ -190,7 +190,7 @@ pub(crate) async fn sleep(d: Duration) {
     #[cfg(not(any(feature = "smol", feature = "async-std")))]
     {
         // Created inside the context: tokio's timer needs the runtime at creation.
-        compat(async move { tokio::time::sleep(d).await }).await;
+        in_tokio(async move { tokio::time::sleep(d).await }).await;
     }
 }
 

@@ -193,7 +193,6 @@ impl Watchdog {
             },
         );
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
-        reg.stats.leases = reg.entries.len();
         let start = reg.running.is_none().then(|| {
             reg.generations += 1;
             reg.running = Some(reg.generations);
@@ -218,7 +217,6 @@ impl Watchdog {
     pub(crate) fn unregister(&self, id: u64) {
         let mut reg = self.shared.registry();
         reg.entries.remove(&id);
-        reg.stats.leases = reg.entries.len();
     }
 
     /// After a manual extend: keep extending with the new TTL.
@@ -238,7 +236,11 @@ impl Watchdog {
     }
 
     pub(crate) fn stats(&self) -> WatchdogStats {
-        self.shared.registry().stats
+        let reg = self.shared.registry();
+        WatchdogStats {
+            leases: reg.entries.len(),
+            ..reg.stats
+        }
     }
 }
 
@@ -283,7 +285,6 @@ async fn run(running: Running) {
             let before = reg.entries.len();
             reg.entries.retain(|_, e| !e.state.check_lost());
             reg.stats.lost += (before - reg.entries.len()) as u64;
-            reg.stats.leases = reg.entries.len();
             match reg.entries.values().map(|e| e.next_due).min() {
                 None => {
                     let since = *idle_since.get_or_insert(now);
@@ -352,14 +353,14 @@ async fn run(running: Running) {
                             reg.stats.extended += 1;
                         }
                         _ => {
-                            tracing::warn!(key = %d.key, "lease lost: extension refused");
+                            // Refused, or confirmed only after the deadline had passed.
+                            tracing::warn!(key = %d.key, "lease lost: extension refused or too late");
                             e.state.mark_lost();
                             reg.entries.remove(&d.id);
                             reg.stats.lost += 1;
                         }
                     }
                 }
-                reg.stats.leases = reg.entries.len();
             }
             failed => {
                 match failed {

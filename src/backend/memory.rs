@@ -93,10 +93,9 @@ impl Backend for MemoryBackend {
             return Ok(Acquire::Held { remaining });
         }
         match st.holder(key, now) {
-            Some((holder, _)) if holder != token => {
-                let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
-                Ok(Acquire::Held { remaining })
-            }
+            Some((holder, expires)) if holder != token => Ok(Acquire::Held {
+                remaining: Some(*expires - now),
+            }),
             held => {
                 let replay = held.is_some();
                 let expires = now.checked_add(ttl).unwrap_or(now);

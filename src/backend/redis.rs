@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use fred::types::{FromValue, Key, Value};
 
 use crate::backend::{clock_drift, Acquire, Backend, Lease, Subscription, Waiting};
 use crate::error::{Error, Result};
-use crate::runtime::{self, compat, Rt};
+use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
 
 mod batch;
@@ -168,8 +169,8 @@ impl Drop for Inner {
         let client = self.client.clone();
         let subscriber = self.pubsub.client.clone();
         Rt::current().spawn(async move {
-            let _ = compat(client.quit()).await;
-            let _ = compat(subscriber.quit()).await;
+            let _ = in_tokio(client.quit()).await;
+            let _ = in_tokio(subscriber.quit()).await;
         });
     }
 }
@@ -239,7 +240,7 @@ impl RedisBackend {
             });
         let client = builder.build().map_err(Error::backend)?;
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
-        compat(client.init()).await.map_err(Error::backend)?;
+        in_tokio(client.init()).await.map_err(Error::backend)?;
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 client,
@@ -271,7 +272,7 @@ impl RedisBackend {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<R> {
-        compat(script.evalsha_with_reload(&self.inner.client, keys, args))
+        in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
             .await
             .map_err(Error::backend)
     }
@@ -286,7 +287,7 @@ impl RedisBackend {
     }
 
     /// Sends acquire attempts as one script call; one reply per attempt, in order.
-    async fn acquire_batch(&self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
+    async fn acquire_batch(self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
         let mut keys = Vec::with_capacity(reqs.len() * 4);
         let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
         for r in &reqs {
@@ -332,7 +333,7 @@ impl RedisBackend {
     }
 
     /// Sends releases and abandons as one script call; one reply per request, in order.
-    async fn release_batch(&self, reqs: Vec<ReleaseReq>) -> Result<Vec<bool>> {
+    async fn release_batch(self, reqs: Vec<ReleaseReq>) -> Result<Vec<bool>> {
         let mut keys = Vec::with_capacity(reqs.len() * 4);
         let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 3);
         for r in &reqs {
@@ -350,6 +351,29 @@ impl RedisBackend {
         Ok(reply.into_iter().map(|n| n == 1).collect())
     }
 
+    /// Sends `req` through `batcher` (group commit), or alone on a cluster, where a script
+    /// may touch one slot only.
+    async fn group_commit<Req, Resp, F, Fut>(
+        &self,
+        batcher: &Batcher<Req, Resp>,
+        req: Req,
+        send: F,
+    ) -> Result<Resp>
+    where
+        Req: Clone + Send + 'static,
+        Resp: Send + 'static,
+        F: Fn(RedisBackend, Vec<Req>) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<Vec<Resp>>> + Send + 'static,
+    {
+        if self.inner.clustered {
+            return batch::single(send(self.clone(), vec![req]).await?);
+        }
+        let this = self.clone();
+        batcher
+            .call(req, move |reqs| send(this.clone(), reqs))
+            .await
+    }
+
     async fn release_one(
         &self,
         key: &LeaseKey,
@@ -361,17 +385,7 @@ impl RedisBackend {
             token: token.clone(),
             tombstone,
         };
-        if self.inner.clustered {
-            // A script may only touch one slot on a cluster: no group commit there.
-            return Ok(self.release_batch(vec![req]).await?.remove(0));
-        }
-        let this = self.clone();
-        self.inner
-            .releases
-            .call(req, move |reqs| {
-                let this = this.clone();
-                async move { this.release_batch(reqs).await }
-            })
+        self.group_commit(&self.inner.releases, req, RedisBackend::release_batch)
             .await
     }
 
@@ -415,17 +429,7 @@ impl Backend for RedisBackend {
             ttl,
             waiting,
         };
-        if self.inner.clustered {
-            // A script may only touch one slot on a cluster: no group commit there.
-            return Ok(self.acquire_batch(vec![req]).await?.remove(0));
-        }
-        let this = self.clone();
-        self.inner
-            .acquires
-            .call(req, move |reqs| {
-                let this = this.clone();
-                async move { this.acquire_batch(reqs).await }
-            })
+        self.group_commit(&self.inner.acquires, req, RedisBackend::acquire_batch)
             .await
     }
 
@@ -543,7 +547,7 @@ impl PubSub {
             channel,
         };
         if first {
-            compat(self.client.subscribe(guard.channel.clone()))
+            in_tokio(self.client.subscribe(guard.channel.clone()))
                 .await
                 .map_err(Error::backend)?;
         }

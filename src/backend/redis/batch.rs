@@ -119,11 +119,7 @@ where
                 let _inline = Inline {
                     state: self.state.clone(),
                 };
-                let mut resps = send(vec![req]).await?;
-                return match resps.pop() {
-                    Some(resp) if resps.is_empty() => Ok(resp),
-                    _ => Err(Error::backend("batched call returned the wrong count")),
-                };
+                return single(send(vec![req]).await?);
             };
             if start {
                 let guard = Flushing {
@@ -138,6 +134,16 @@ where
                 Err(_) => continue,
             }
         }
+    }
+}
+
+/// The one reply to a call of one request.
+pub(super) fn single<Resp>(mut resps: Vec<Resp>) -> Result<Resp> {
+    match resps.pop() {
+        Some(resp) if resps.is_empty() => Ok(resp),
+        _ => Err(Error::backend(
+            "a script call returned the wrong number of replies",
+        )),
     }
 }
 
