@@ -139,3 +139,45 @@ async fn an_unpolled_future_does_not_hold_up_other_callers() {
     }
     drop(stream);
 }
+
+/// The server dies while calls are queued for a shared script call: every caller gets an
+/// answer (an error) within the command timeout instead of hanging, and once the server is
+/// back the same connection batches again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_calls_fail_promptly_when_the_server_dies_and_work_after_restart() {
+    let mut srv = RedisServer::start();
+    let opts = redlease::RedisOptions::new()
+        .command_timeout(Duration::from_millis(200))
+        .connect_timeout(Duration::from_millis(300));
+    let backend = RedisBackend::connect_with(&srv.url(), opts)
+        .await
+        .expect("connect");
+    let locks = LockManager::new(backend);
+    srv.kill();
+    let calls = (0..64).map(|i| {
+        let lock = locks.lock(&format!("outage:{i}"));
+        async move { lock.try_acquire().await }
+    });
+    let answers = tokio::time::timeout(Duration::from_secs(10), futures::future::join_all(calls))
+        .await
+        .expect("no queued caller hangs while the server is down");
+    assert!(
+        answers.iter().all(|a| a.is_err()),
+        "a call succeeded with no server"
+    );
+    srv.restart();
+    let mut ok = false;
+    for _ in 0..100 {
+        let calls = (0..64).map(|i| {
+            let lock = locks.lock(&format!("after-outage:{i}"));
+            async move { lock.try_acquire().await }
+        });
+        let answers = futures::future::join_all(calls).await;
+        if answers.iter().all(|a| matches!(a, Ok(Some(_)))) {
+            ok = true;
+            break;
+        }
+        support::sleep_async(Duration::from_millis(50)).await; // reconnect back-off
+    }
+    assert!(ok, "batched calls did not recover after the restart");
+}
