@@ -241,14 +241,24 @@ impl RedisBackend {
         let client = builder.build().map_err(Error::backend)?;
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
         in_tokio(client.init()).await.map_err(Error::backend)?;
+        let scripts = Scripts {
+            acquire: Script::from_lua(include_str!("redis/acquire.lua")),
+            extend: Script::from_lua(include_str!("redis/extend.lua")),
+            release: Script::from_lua(include_str!("redis/release.lua")),
+        };
+        // Loaded up front so that the first call of each is one EVALSHA, not a NOSCRIPT
+        // round trip plus a reload; a restarted server is reloaded on demand by the calls.
+        in_tokio(futures::future::try_join3(
+            scripts.acquire.load(&client),
+            scripts.extend.load(&client),
+            scripts.release.load(&client),
+        ))
+        .await
+        .map_err(Error::backend)?;
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 client,
-                scripts: Scripts {
-                    acquire: Script::from_lua(include_str!("redis/acquire.lua")),
-                    extend: Script::from_lua(include_str!("redis/extend.lua")),
-                    release: Script::from_lua(include_str!("redis/release.lua")),
-                },
+                scripts,
                 pubsub: Arc::new(PubSub {
                     client: subscriber,
                     ops: futures::lock::Mutex::new(false),
