@@ -15,6 +15,7 @@ use crate::token::{LeaseKey, Token};
 
 pub(crate) mod memory;
 pub(crate) mod redis;
+pub(crate) mod redlock;
 
 /// The outcome of one acquire attempt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +35,86 @@ pub enum Acquire {
         /// The holder's remaining TTL, if the store knows it.
         remaining: Option<Duration>,
     },
+    /// A quorum member that has been up for less than the
+    /// [`min_uptime`](NodeTerms::min_uptime) it was asked for: it may have restarted empty and
+    /// forgotten leases that others hold, so it grants nothing and counts toward no quorum.
+    /// Only [`Backend::try_acquire_node`] answers this.
+    Warming {
+        /// How long until it has been up long enough.
+        remaining: Duration,
+    },
+}
+
+/// What a quorum backend ([`Redlock`](crate::Redlock)) asks of each of its nodes besides the
+/// lease itself, for [`Backend::try_acquire_node`] and [`Backend::extend_node`].
+///
+/// ```
+/// use std::time::Duration;
+/// let terms = redlease::NodeTerms::new()
+///     .fence_floor(1_700_000_000_000_000)
+///     .min_uptime(Duration::from_secs(30));
+/// assert_eq!(terms.get_min_uptime(), Duration::from_secs(30));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeTerms {
+    fence_floor: u64,
+    min_uptime: Duration,
+    fail_fast: bool,
+}
+
+impl NodeTerms {
+    /// No floor, no uptime condition, no fail-fast: what a single store is asked.
+    pub const fn new() -> Self {
+        NodeTerms {
+            fence_floor: 0,
+            min_uptime: Duration::ZERO,
+            fail_fast: false,
+        }
+    }
+
+    /// A new grant mints a fencing token of at least `floor`. Nodes given the same floor
+    /// mint the same token when their counters are below it, so the quorum agrees on the
+    /// token without a write-back.
+    pub const fn fence_floor(mut self, floor: u64) -> Self {
+        self.fence_floor = floor;
+        self
+    }
+
+    /// The node grants and extends nothing (answers [`Acquire::Warming`], or `None` per
+    /// lease) until it has been up for `d`, by its own uptime, checked in the same atomic
+    /// step as the grant.
+    pub const fn min_uptime(mut self, d: Duration) -> Self {
+        self.min_uptime = d;
+        self
+    }
+
+    /// Fail at once, rather than queue the command, while the node's connection is down.
+    pub const fn fail_fast(mut self, yes: bool) -> Self {
+        self.fail_fast = yes;
+        self
+    }
+
+    /// See [`fence_floor`](Self::fence_floor).
+    pub const fn get_fence_floor(&self) -> u64 {
+        self.fence_floor
+    }
+
+    /// See [`min_uptime`](Self::min_uptime).
+    pub const fn get_min_uptime(&self) -> Duration {
+        self.min_uptime
+    }
+
+    /// See [`fail_fast`](Self::fail_fast).
+    pub const fn get_fail_fast(&self) -> bool {
+        self.fail_fast
+    }
+}
+
+/// The error of the [`Backend`] methods a store does not implement.
+fn unsupported(backend: &dyn fmt::Debug, what: &str) -> crate::Error {
+    crate::Error::InvalidConfig(format!(
+        "this backend cannot {what} (it does not implement that Backend method): {backend:?}"
+    ))
 }
 
 /// What an acquire attempt is part of, for [`Backend::try_acquire`].
@@ -149,6 +230,42 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// A wake-up source for releases of `key`.
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription>;
+
+    /// `try_acquire` as one node of a quorum (see [`NodeTerms`]): a new grant's fencing
+    /// token is at least the terms' floor, and a node up for less than their `min_uptime`
+    /// answers [`Acquire::Warming`]. Stores that can be Redlock nodes implement it; the
+    /// default refuses with [`Error::InvalidConfig`](crate::Error::InvalidConfig).
+    async fn try_acquire_node(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+    ) -> Result<Acquire> {
+        let _ = (key, token, ttl, waiting, terms);
+        Err(unsupported(&self, "be a Redlock node (try_acquire_node)"))
+    }
+
+    /// `extend` as one node of a quorum: a node up for less than the terms' `min_uptime`
+    /// extends nothing (`None` for every lease). The default refuses, as
+    /// [`try_acquire_node`](Self::try_acquire_node).
+    async fn extend_node(
+        &self,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
+        let _ = (leases, terms);
+        Err(unsupported(&self, "be a Redlock node (extend_node)"))
+    }
+
+    /// Raises `key`'s fence counter to at least `at_least` (never lowers it), so the next
+    /// grant on this store mints a larger token. Redlock writes the quorum's token back
+    /// with it. The default refuses, as [`try_acquire_node`](Self::try_acquire_node).
+    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
+        let _ = (key, at_least);
+        Err(unsupported(&self, "be a Redlock node (raise_fence)"))
+    }
 }
 
 /// The clock-drift margin taken off a lease's TTL: 1 % plus 2 ms (the Redlock paper's

@@ -39,6 +39,17 @@ pub enum Error {
     /// [`LockGuard::lost`](crate::LockGuard::lost)) or was released already.
     #[error("the lease is no longer held (it expired, was lost or was taken over)")]
     NotHeld,
+    /// A [`Redlock`](crate::Redlock) could not get a majority of its nodes to answer: too
+    /// many were down, slow, or had restarted too recently to count (contention is not this
+    /// error: it is waited for, or `Ok(None)` from `try_acquire`). Nothing is left behind on
+    /// the nodes that did grant.
+    #[error("quorum not reached: {acquired} of the {required} nodes needed")]
+    QuorumNotReached {
+        /// Nodes that granted (or confirmed) in the best round.
+        acquired: usize,
+        /// The quorum: a majority of the nodes.
+        required: usize,
+    },
     /// The store failed (connection refused, command timeout, script error, ...).
     #[error("backend error: {source}")]
     Backend {

@@ -94,7 +94,10 @@ mod watchdog;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
-pub use backend::{clock_drift, Acquire, Backend, Lease, Released, Subscription, Waiting};
+pub use backend::redlock::{Redlock, RedlockOptions};
+pub use backend::{
+    clock_drift, Acquire, Backend, Lease, NodeTerms, Released, Subscription, Waiting,
+};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
 pub use event_listener;

@@ -268,6 +268,8 @@ impl Lock {
                     )));
                 }
                 Acquire::Held { remaining } => remaining,
+                // Only a quorum member answers this, and only to `try_acquire_node`.
+                Acquire::Warming { remaining } => Some(remaining),
             };
             arriving = false;
             pending.armed = false;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 
-use crate::backend::{Acquire, Backend, Lease, Subscription, Waiting};
+use crate::backend::{Acquire, Backend, Lease, NodeTerms, Subscription, Waiting};
 use crate::error::Result;
 use crate::token::{LeaseKey, Token};
 
@@ -83,6 +83,20 @@ impl Backend for MemoryBackend {
         ttl: Duration,
         waiting: Waiting,
     ) -> Result<Acquire> {
+        self.try_acquire_node(key, token, ttl, waiting, NodeTerms::new())
+            .await
+    }
+
+    /// The uptime condition always holds: an in-process store cannot restart under the
+    /// leases it holds (they go with the process).
+    async fn try_acquire_node(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+    ) -> Result<Acquire> {
         let now = Instant::now();
         let mut st = self.state();
         st.sweep(now);
@@ -102,7 +116,7 @@ impl Backend for MemoryBackend {
                 st.leases.insert(key.clone(), (token.clone(), expires));
                 let fence = st.fences.entry(key.clone()).or_insert(0);
                 if !replay {
-                    *fence += 1;
+                    *fence = (*fence + 1).max(terms.get_fence_floor());
                 }
                 Ok(Acquire::Acquired {
                     fencing_token: *fence,
@@ -126,6 +140,21 @@ impl Backend for MemoryBackend {
                 _ => None,
             })
             .collect())
+    }
+
+    async fn extend_node(
+        &self,
+        leases: &[Lease<'_>],
+        _terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
+        self.extend(leases).await
+    }
+
+    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
+        let mut st = self.state();
+        let fence = st.fences.entry(key.clone()).or_insert(0);
+        *fence = (*fence).max(at_least);
+        Ok(())
     }
 
     async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {

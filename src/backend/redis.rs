@@ -15,7 +15,7 @@ use fred::types::config::UnresponsiveConfig;
 use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
 
-use crate::backend::{clock_drift, Acquire, Backend, Lease, Subscription, Waiting};
+use crate::backend::{clock_drift, Acquire, Backend, Lease, NodeTerms, Subscription, Waiting};
 use crate::error::{Error, Result};
 use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
@@ -31,6 +31,7 @@ struct AcquireReq {
     token: Token,
     ttl: Duration,
     waiting: Waiting,
+    terms: NodeTerms,
 }
 
 /// One release (tombstone zero) or abandon (tombstone > 0), as queued.
@@ -39,6 +40,20 @@ struct ReleaseReq {
     key: LeaseKey,
     token: Token,
     tombstone: Duration,
+}
+
+/// Acquires and releases share one queue, so that they reach the server in the order they
+/// were made: a release (or a quorum's clean-up) that a caller made before its next attempt
+/// with the same token can never run after that attempt and delete its grant.
+#[derive(Clone)]
+enum Op {
+    Acquire(AcquireReq),
+    Release(ReleaseReq),
+}
+
+enum Reply {
+    Acquire(Acquire),
+    Release(bool),
 }
 
 /// Leases extended by one script call; bigger batches are split and the calls pipelined.
@@ -103,6 +118,16 @@ impl RedisOptions {
         self
     }
 
+    /// See [`connect_timeout`](Self::connect_timeout).
+    pub fn get_connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// See [`command_timeout`](Self::command_timeout).
+    pub fn get_command_timeout(&self) -> Duration {
+        self.command_timeout
+    }
+
     fn validate(&self) -> Result<()> {
         let hour = Duration::from_secs(3600);
         for (name, t) in [
@@ -146,14 +171,14 @@ struct Inner {
     scripts: Scripts,
     pubsub: Arc<PubSub>,
     clustered: bool,
-    acquires: Batcher<AcquireReq, Acquire>,
-    releases: Batcher<ReleaseReq, bool>,
+    ops: Batcher<Op, Reply>,
 }
 
 struct Scripts {
     acquire: Script,
     extend: Script,
     release: Script,
+    fence: Script,
 }
 
 impl fmt::Debug for RedisBackend {
@@ -221,9 +246,36 @@ impl RedisBackend {
 
     /// Connects with the given options.
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
+        Self::open(url, options, true).await
+    }
+
+    /// Returns at once, without waiting for the server: the connection is made, and remade,
+    /// in the background, and commands wait for it (up to the command timeout). For a
+    /// [`Redlock`](crate::Redlock) node that may be down when the application starts.
+    /// Fails only with [`Error::InvalidConfig`] for a bad URL or options.
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// // Nothing listens on port 1; the backend is made anyway.
+    /// let node = redlease::RedisBackend::connect_lazy(
+    ///     "redis://127.0.0.1:1",
+    ///     redlease::RedisOptions::new(),
+    /// )
+    /// .await?;
+    /// assert!(!node.client().is_connected());
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
+        Self::open(url, options, false).await
+    }
+
+    async fn open(url: &str, options: RedisOptions, wait: bool) -> Result<Self> {
         options.validate()?;
-        let config = parse_url(url)?;
+        let mut config = parse_url(url)?;
         let clustered = config.server.is_clustered();
+        // The subscriber connects on first use, and fails then if the server is away.
+        let subscriber_config = config.clone();
+        config.fail_fast = wait;
         let mut builder = Builder::from_config(config);
         builder
             .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
@@ -239,22 +291,35 @@ impl RedisBackend {
                 };
             });
         let client = builder.build().map_err(Error::backend)?;
+        builder.set_config(subscriber_config);
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
-        in_tokio(client.init()).await.map_err(Error::backend)?;
+        if !wait {
+            let connecting = client.clone();
+            // On the crate's runtime: the reconnect loop outlives the caller's runtime.
+            runtime::background().spawn(async move {
+                drop(connecting.connect());
+            });
+        } else {
+            in_tokio(client.init()).await.map_err(Error::backend)?;
+        }
         let scripts = Scripts {
             acquire: Script::from_lua(include_str!("redis/acquire.lua")),
             extend: Script::from_lua(include_str!("redis/extend.lua")),
             release: Script::from_lua(include_str!("redis/release.lua")),
+            fence: Script::from_lua(include_str!("redis/fence.lua")),
         };
         // Loaded up front so that the first call of each is one EVALSHA, not a NOSCRIPT
         // round trip plus a reload; a restarted server is reloaded on demand by the calls.
-        in_tokio(futures::future::try_join3(
-            scripts.acquire.load(&client),
-            scripts.extend.load(&client),
-            scripts.release.load(&client),
-        ))
-        .await
-        .map_err(Error::backend)?;
+        if wait {
+            in_tokio(futures::future::try_join4(
+                scripts.acquire.load(&client),
+                scripts.extend.load(&client),
+                scripts.release.load(&client),
+                scripts.fence.load(&client),
+            ))
+            .await
+            .map_err(Error::backend)?;
+        }
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 client,
@@ -265,10 +330,15 @@ impl RedisBackend {
                     channels: Arc::default(),
                 }),
                 clustered,
-                acquires: Batcher::default(),
-                releases: Batcher::default(),
+                ops: Batcher::default(),
             }),
         })
+    }
+
+    /// Resolves when connected (at once if connected already); `false` if the client gave
+    /// up on the first connection.
+    pub(crate) async fn ready(&self) -> bool {
+        in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
     }
 
     /// The fred client underneath, for commands of your own on the same connection.
@@ -299,7 +369,7 @@ impl RedisBackend {
     /// Sends acquire attempts as one script call; one reply per attempt, in order.
     async fn acquire_batch(self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
         let mut keys = Vec::with_capacity(reqs.len() * 4);
-        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 6);
         for r in &reqs {
             keys.extend(Self::lease_keys(&r.key));
             // The waiters flag outlives the waiter's next re-check, so a release in between
@@ -314,6 +384,9 @@ impl RedisBackend {
                 ms(r.ttl).into(),
                 flag.into(),
                 arriving.into(),
+                // Lua numbers are doubles: exact up to 2^53, far above any token.
+                r.terms.get_fence_floor().to_string().into(),
+                ms(r.terms.get_min_uptime()).into(),
             ]);
         }
         let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
@@ -334,6 +407,9 @@ impl RedisBackend {
                 }),
                 [0, pttl] => Ok(Acquire::Held {
                     remaining: remaining(*pttl),
+                }),
+                [2, wait] => Ok(Acquire::Warming {
+                    remaining: remaining(*wait).unwrap_or_default(),
                 }),
                 other => Err(Error::backend(format!(
                     "unexpected reply from the acquire script: {other:?}"
@@ -395,8 +471,59 @@ impl RedisBackend {
             token: token.clone(),
             tombstone,
         };
-        self.group_commit(&self.inner.releases, req, RedisBackend::release_batch)
+        match self.op(Op::Release(req)).await? {
+            Reply::Release(released) => Ok(released),
+            Reply::Acquire(_) => Err(Error::backend("a release was answered as an acquire")),
+        }
+    }
+
+    /// Sends one acquire or release through the shared queue.
+    async fn op(&self, op: Op) -> Result<Reply> {
+        self.group_commit(&self.inner.ops, op, RedisBackend::ops_batch)
             .await
+    }
+
+    /// Sends queued operations in their order: each run of one kind is one script call, and
+    /// a run is sent only after the one before it was answered.
+    async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Reply>> {
+        let mut out = Vec::with_capacity(ops.len());
+        let mut ops = ops.into_iter().peekable();
+        while let Some(first) = ops.next() {
+            match first {
+                Op::Acquire(r) => {
+                    let mut run = vec![r];
+                    while let Some(Op::Acquire(r)) = ops.next_if(|o| matches!(o, Op::Acquire(_))) {
+                        run.push(r);
+                    }
+                    let replies = self.clone().acquire_batch(run).await?;
+                    out.extend(replies.into_iter().map(Reply::Acquire));
+                }
+                Op::Release(r) => {
+                    let mut run = vec![r];
+                    while let Some(Op::Release(r)) = ops.next_if(|o| matches!(o, Op::Release(_))) {
+                        run.push(r);
+                    }
+                    let replies = self.clone().release_batch(run).await?;
+                    out.extend(replies.into_iter().map(Reply::Release));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fails at once when the connection is down and the caller asked to (a quorum member
+    /// that does not answer now is better skipped than waited for).
+    fn check_connected(&self, terms: NodeTerms) -> Result<()> {
+        if terms.get_fail_fast() && !self.inner.client.is_connected() {
+            return Err(Error::backend(format!(
+                "not connected to {} (reconnecting)",
+                self.inner.client.client_config().server.hosts()
+                    .first()
+                    .map(|h| format!("{}:{}", h.host, h.port))
+                    .unwrap_or_default()
+            )));
+        }
+        Ok(())
     }
 
     /// Splits a batch into script calls of at most [`EXTEND_CHUNK`] leases, per hash slot on
@@ -433,20 +560,55 @@ impl Backend for RedisBackend {
         ttl: Duration,
         waiting: Waiting,
     ) -> Result<Acquire> {
+        self.try_acquire_node(key, token, ttl, waiting, NodeTerms::new())
+            .await
+    }
+
+    async fn try_acquire_node(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+    ) -> Result<Acquire> {
+        self.check_connected(terms)?;
         let req = AcquireReq {
             key: key.clone(),
             token: token.clone(),
             ttl,
             waiting,
+            terms,
         };
-        self.group_commit(&self.inner.acquires, req, RedisBackend::acquire_batch)
-            .await
+        match self.op(Op::Acquire(req)).await? {
+            Reply::Acquire(outcome) => Ok(outcome),
+            Reply::Release(_) => Err(Error::backend("an acquire was answered as a release")),
+        }
     }
 
     async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
+        self.extend_node(leases, NodeTerms::new()).await
+    }
+
+    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
+        let keys = vec![Key::from(key.part(Part::Fence))];
+        let args = vec![Value::from(at_least.to_string())];
+        self.eval::<i64>(&self.inner.scripts.fence, keys, args)
+            .await
+            .map(drop)
+    }
+
+    async fn extend_node(
+        &self,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
+        self.check_connected(terms)?;
+        let min_uptime = ms(terms.get_min_uptime());
         let calls = self.chunks(leases).into_iter().map(|idx| async move {
             let keys: Vec<Key> = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
-            let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2);
+            let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
+            args.push(min_uptime.into());
             for &i in &idx {
                 args.push(leases[i].token.as_str().into());
                 args.push(ms(leases[i].ttl).into());

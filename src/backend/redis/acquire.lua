@@ -3,22 +3,32 @@
 -- Per lease i (0-based), KEYS[4i+1..4i+4]:
 --   lease key, fence hash {f = last token, r = last released token}, waiters flag,
 --   abandoned tokens (sorted set, see release.lua)
--- ARGV[4i+1..4i+4]:
+-- ARGV[6i+1..6i+6]:
 --   token, ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
---   1 for a waiting acquire's first attempt (it yields to registered waiters)
--- Returns per lease a pair: {1, fencing token} granted, or {0, pttl} held (or yielded to
--- registered waiters).
--- The fence never goes backwards: at least last + 1, and at least the server's clock in
--- microseconds, so a restarted server without persistence (or restored from an old
--- snapshot) still hands out larger tokens.
+--   1 for a waiting acquire's first attempt (it yields to registered waiters),
+--   fence floor (a quorum's proposed token; 0 for none),
+--   minimum uptime (ms; 0 for none: see below)
+-- Returns per lease a pair: {1, fencing token} granted, {0, pttl} held (or yielded to
+-- registered waiters), or {2, ms to go} when this server has been up for less than the
+-- minimum uptime asked (a quorum member that may have restarted empty grants nothing).
+-- The fence never goes backwards: at least last + 1, at least the server's clock in
+-- microseconds (so a restarted server without persistence, or one restored from an old
+-- snapshot, still hands out larger tokens) and at least the floor asked for.
 local now = redis.call('TIME')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local uptime
 local out = {}
 for i = 0, #KEYS / 4 - 1 do
   local lease, fence, waiters, abandoned = KEYS[4 * i + 1], KEYS[4 * i + 2], KEYS[4 * i + 3], KEYS[4 * i + 4]
-  local token, ttl, flag, arriving = ARGV[4 * i + 1], ARGV[4 * i + 2], ARGV[4 * i + 3], ARGV[4 * i + 4]
+  local token, ttl, flag, arriving = ARGV[6 * i + 1], ARGV[6 * i + 2], ARGV[6 * i + 3], ARGV[6 * i + 4]
+  local floor, min_uptime = tonumber(ARGV[6 * i + 5]), tonumber(ARGV[6 * i + 6])
+  if min_uptime > 0 and not uptime then
+    uptime = 1000 * tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+  end
   local code, value
-  if redis.call('ZSCORE', abandoned, token) then
+  if min_uptime > 0 and uptime < min_uptime then
+    code, value = 2, min_uptime - uptime
+  elseif redis.call('ZSCORE', abandoned, token) then
     -- A late copy of an attempt that was given up and cleaned up already: never grant it.
     code, value = 0, redis.call('PTTL', lease)
   elseif arriving == '1' and redis.call('EXISTS', waiters) == 1
@@ -30,7 +40,7 @@ for i = 0, #KEYS / 4 - 1 do
     code, value = 0, redis.call('PTTL', lease)
   elseif redis.call('SET', lease, token, 'NX', 'PX', ttl) then
     local last = tonumber(redis.call('HGET', fence, 'f') or '0')
-    value = math.max(last + 1, floor)
+    value = math.max(last + 1, clock, floor)
     redis.call('HSET', fence, 'f', string.format('%.0f', value))
     code = 1
   elseif redis.call('GET', lease) == token then

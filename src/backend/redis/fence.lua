@@ -1,0 +1,9 @@
+-- Raise a lock's fence counter to at least ARGV[1], never lower it (Redlock writes the
+-- quorum's token back to the nodes that minted less, so any later quorum mints more).
+-- KEYS[1] fence hash {f = last token, ...}
+local last = tonumber(redis.call('HGET', KEYS[1], 'f') or '0')
+local want = tonumber(ARGV[1])
+if want > last then
+  redis.call('HSET', KEYS[1], 'f', string.format('%.0f', want))
+end
+return 1

@@ -1,0 +1,793 @@
+//! `Redlock`: one lock over N independent stores, granted by a majority.
+//!
+//! Every operation goes to all nodes at once, each with its own timeout, and returns as soon
+//! as its outcome is decided (a majority agreed, or a majority can no longer agree): one slow
+//! or paused node costs nothing while the others answer, and at most the per-node timeout
+//! when it is needed for the majority. Calls still out when the outcome is decided are left to
+//! finish in the background, so a release or clean-up still reaches every node.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use futures::stream::{FuturesUnordered, StreamExt};
+
+use crate::backend::redis::{RedisBackend, RedisOptions};
+use crate::backend::{Acquire, Backend, Lease, NodeTerms, Subscription, Waiting};
+use crate::error::{Error, Result};
+use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
+use crate::runtime;
+use crate::token::{LeaseKey, Token};
+
+/// How long calls still out when an operation's outcome is decided may take to finish.
+const DRAIN: Duration = Duration::from_secs(30);
+
+/// Added to the client's clock for the fencing-token floor proposed to every node. A node
+/// mints at least its own clock in microseconds; proposing a little more than that lets every
+/// node of the quorum mint the same token, so that no write-back round is needed.
+const FLOOR_LEAD: Duration = Duration::from_secs(1);
+
+/// Settings of a [`Redlock`].
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = redlease::RedlockOptions::new()
+///     .node_timeout(Duration::from_millis(20))
+///     .retries(5)
+///     .max_lease(Duration::from_secs(60));
+/// assert_eq!(opts.get_node_timeout(), Duration::from_millis(20));
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct RedlockOptions {
+    node_timeout: Duration,
+    drift_factor: f64,
+    retries: u32,
+    retry_delay: Duration,
+    max_lease: Option<Duration>,
+    restart_guard: bool,
+}
+
+impl Default for RedlockOptions {
+    fn default() -> Self {
+        RedlockOptions {
+            node_timeout: Duration::from_millis(50),
+            drift_factor: 0.01,
+            retries: 3,
+            retry_delay: Duration::from_millis(200),
+            max_lease: None,
+            restart_guard: true,
+        }
+    }
+}
+
+impl RedlockOptions {
+    /// The defaults: node timeout 50 ms, clock-drift factor 0.01, 3 retries after a random
+    /// delay of up to 200 ms, maximum lease time = each lease's own TTL.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long one node may take to answer one call. An acquire attempt waits at most this
+    /// (or half the lease's validity, if that is less) for a node it needs; an unreachable node
+    /// fails at once. Default 50 ms.
+    pub fn node_timeout(mut self, d: Duration) -> Self {
+        self.node_timeout = d;
+        self
+    }
+
+    /// The clock-drift margin, as a share of the TTL (plus 2 ms), taken off every lease's
+    /// validity. Default 0.01. Must be in `[0, 0.5)`.
+    pub fn drift_factor(mut self, f: f64) -> Self {
+        self.drift_factor = f;
+        self
+    }
+
+    /// How many more rounds an attempt makes when too few nodes answered (not when another
+    /// client holds the lock: that is waited for, or reported). Default 3.
+    pub fn retries(mut self, n: u32) -> Self {
+        self.retries = n;
+        self
+    }
+
+    /// The most a retry waits, at random between zero and this, so that clients that split
+    /// the nodes between them do not retry in step. Default 200 ms.
+    pub fn retry_delay(mut self, d: Duration) -> Self {
+        self.retry_delay = d;
+        self
+    }
+
+    /// The longest TTL any client sets on these nodes. A node that has been up for less than
+    /// this counts toward no quorum: it may have restarted empty and forgotten leases that
+    /// others still hold. Default: each lease's own TTL (right when every client uses the
+    /// same TTL; set it when they do not).
+    pub fn max_lease(mut self, d: Duration) -> Self {
+        self.max_lease = Some(d);
+        self
+    }
+
+    /// Whether a node that has been up for less than the maximum lease time is kept out of
+    /// every majority (see [`max_lease`](Self::max_lease)). Default `true`. Turn it off only
+    /// when no node can come back without the leases it had: every node persists each write
+    /// before answering (`appendonly yes`, `appendfsync always`), or is never restarted
+    /// sooner than one maximum lease time after it stopped.
+    pub fn restart_guard(mut self, on: bool) -> Self {
+        self.restart_guard = on;
+        self
+    }
+
+    /// See [`restart_guard`](Self::restart_guard).
+    pub fn get_restart_guard(&self) -> bool {
+        self.restart_guard
+    }
+
+    /// See [`node_timeout`](Self::node_timeout).
+    pub fn get_node_timeout(&self) -> Duration {
+        self.node_timeout
+    }
+
+    /// See [`drift_factor`](Self::drift_factor).
+    pub fn get_drift_factor(&self) -> f64 {
+        self.drift_factor
+    }
+
+    /// See [`retries`](Self::retries).
+    pub fn get_retries(&self) -> u32 {
+        self.retries
+    }
+
+    /// See [`retry_delay`](Self::retry_delay).
+    pub fn get_retry_delay(&self) -> Duration {
+        self.retry_delay
+    }
+
+    /// See [`max_lease`](Self::max_lease).
+    pub fn get_max_lease(&self) -> Option<Duration> {
+        self.max_lease
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.node_timeout.is_zero() || self.node_timeout > Duration::from_secs(60) {
+            return Err(Error::invalid(format!(
+                "Redlock node_timeout must be more than zero and at most 60 s, got {:?}",
+                self.node_timeout
+            )));
+        }
+        if !(0.0..0.5).contains(&self.drift_factor) {
+            return Err(Error::invalid(format!(
+                "Redlock drift_factor must be in [0, 0.5), got {}",
+                self.drift_factor
+            )));
+        }
+        if self.retry_delay > MAX_RETRY_DELAY {
+            return Err(Error::invalid(format!(
+                "Redlock retry_delay must be at most {MAX_RETRY_DELAY:?}, got {:?}",
+                self.retry_delay
+            )));
+        }
+        if let Some(d) = self.max_lease {
+            if d > MAX_TTL {
+                return Err(Error::invalid(format!(
+                    "Redlock max_lease must be at most {MAX_TTL:?}, got {d:?}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A lock over N independent stores (Redis masters with no replication between them, or any
+/// [`Backend`]s that implement the node methods), held when a majority grants it: the
+/// Redlock algorithm. It is itself a [`Backend`], so [`LockManager`](crate::LockManager),
+/// guards, the watchdog, drop release, fencing tokens and cancel safety work unchanged.
+///
+/// # What it does
+///
+/// - **Acquire** goes to every node at once, each with its own timeout
+///   ([`node_timeout`](RedlockOptions::node_timeout)), and succeeds with a majority
+///   (`N/2 + 1`) and a positive validity: `ttl − elapsed − drift`, which is also the guard's
+///   deadline. Otherwise it releases on every node that may have granted (including those
+///   that timed out) and, if too few nodes answered, retries after a random delay, then
+///   fails with [`Error::QuorumNotReached`]. Contention is reported as usual (the manager
+///   waits, or `try_acquire` returns `Ok(None)`).
+/// - **Extension** (the watchdog's) counts only if a majority extends within the validity;
+///   otherwise the guard is lost. **Release** goes to every node.
+/// - **Fencing**: the token is the maximum minted by the granting majority, written back to
+///   that majority (counter = max(counter, token)) before the guard is returned, so the next
+///   holder's token is strictly greater (any two majorities share a node). Nodes are asked to
+///   mint at least a common floor (the client's clock in µs plus one second), so they usually
+///   agree and no write-back is sent.
+/// - **Restarts**: a node up for less than [`max_lease`](RedlockOptions::max_lease) counts
+///   toward no majority, for any client. It checks its own uptime in the same script that
+///   grants, so this does not depend on this client's history with the node. Fresh servers
+///   (a new deployment) therefore grant nothing for one maximum lease time.
+/// - An unreachable node fails at once instead of queueing commands until it comes back.
+///
+/// # What it does not promise
+///
+/// Redlock assumes bounded pauses, network delays and clock drift. A client paused (GC,
+/// swap, a stopped VM) for longer than its validity still believes it holds the lock, and
+/// a node's clock that jumps forward expires leases early. Pass [`LockGuard::fencing_token`]
+/// with every write and have the store reject older tokens: that, not the lock, is what
+/// keeps a paused holder from overwriting its successor's work.
+///
+/// [`LockGuard::fencing_token`]: crate::LockGuard::fencing_token
+///
+/// Fair locks are not supported over Redlock.
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::{LockManager, MemoryBackend, Redlock};
+/// # futures::executor::block_on(async {
+/// let nodes = vec![MemoryBackend::new(), MemoryBackend::new(), MemoryBackend::new()];
+/// let locks = LockManager::new(Redlock::new(nodes)?);
+/// let guard = locks.lock("orders:42").acquire().await?;
+/// assert!(locks.lock("orders:42").try_acquire().await?.is_none());
+/// guard.release().await?;
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+pub struct Redlock {
+    nodes: Vec<Arc<dyn Backend>>,
+    options: RedlockOptions,
+}
+
+impl fmt::Debug for Redlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redlock")
+            .field("nodes", &self.nodes)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+/// One node's answer, or `None` if it had not answered when the outcome was decided.
+type Replies<T> = Vec<Option<Result<T>>>;
+
+type NodeCall<T> = Pin<Box<dyn Future<Output = (usize, Result<T>)> + Send>>;
+
+/// What one acquire round came to.
+enum Round {
+    Acquired(Acquire),
+    /// Another client holds it on enough nodes that we cannot get a majority.
+    Held(Option<Duration>),
+    /// Too few nodes answered or counted; `warming` is set when restarted nodes made the
+    /// difference, with the time until they count.
+    Unavailable {
+        granted: usize,
+        warming: Option<Duration>,
+    },
+}
+
+impl Redlock {
+    /// A Redlock over `nodes`, with default [`RedlockOptions`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] if `nodes` is empty.
+    pub fn new<B: Backend>(nodes: impl IntoIterator<Item = B>) -> Result<Self> {
+        Self::with_options(nodes, RedlockOptions::default())
+    }
+
+    /// A Redlock over `nodes` with the given options.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{MemoryBackend, Redlock, RedlockOptions};
+    /// let nodes = (0..5).map(|_| MemoryBackend::new());
+    /// let redlock = Redlock::with_options(nodes, RedlockOptions::new().retries(1))?;
+    /// assert_eq!((redlock.nodes(), redlock.quorum()), (5, 3));
+    /// let bad = RedlockOptions::new().drift_factor(0.7);
+    /// assert!(Redlock::with_options(vec![MemoryBackend::new()], bad).is_err());
+    /// # Ok::<(), redlease::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] if `nodes` is empty or an option is out of range.
+    pub fn with_options<B: Backend>(
+        nodes: impl IntoIterator<Item = B>,
+        options: RedlockOptions,
+    ) -> Result<Self> {
+        let nodes = nodes
+            .into_iter()
+            .map(|b| Arc::new(b) as Arc<dyn Backend>)
+            .collect();
+        Self::from_shared(nodes, options)
+    }
+
+    /// A Redlock over nodes of different kinds.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_options`](Self::with_options).
+    pub fn from_shared(nodes: Vec<Arc<dyn Backend>>, options: RedlockOptions) -> Result<Self> {
+        options.validate()?;
+        if nodes.is_empty() {
+            return Err(Error::invalid("a Redlock needs at least one node"));
+        }
+        Ok(Redlock { nodes, options })
+    }
+
+    /// Connects to one Redis server per URL (independent masters), with default options.
+    /// Returns once a majority is connected; the others keep connecting in the background.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a bad URL or no URL; [`Error::QuorumNotReached`] if a
+    /// majority does not connect within the connect timeout.
+    pub async fn connect(urls: &[&str]) -> Result<Self> {
+        Self::connect_with(urls, RedisOptions::default(), RedlockOptions::default()).await
+    }
+
+    /// [`connect`](Self::connect) with connection and Redlock options.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(
+        urls: &[&str],
+        redis: RedisOptions,
+        options: RedlockOptions,
+    ) -> Result<Self> {
+        options.validate()?;
+        if urls.is_empty() {
+            return Err(Error::invalid("a Redlock needs at least one node URL"));
+        }
+        let mut nodes = Vec::with_capacity(urls.len());
+        for url in urls {
+            nodes.push(RedisBackend::connect_lazy(url, redis.clone()).await?);
+        }
+        let required = urls.len() / 2 + 1;
+        let deadline = Instant::now() + redis.get_connect_timeout();
+        let mut connecting: FuturesUnordered<_> =
+            nodes.iter().map(RedisBackend::ready).collect();
+        let mut connected = 0;
+        while connected < required {
+            match runtime::until(Some(deadline), connecting.next()).await {
+                Some(Some(true)) => connected += 1,
+                Some(Some(false)) => {}
+                Some(None) | None => {
+                    return Err(Error::QuorumNotReached {
+                        acquired: connected,
+                        required,
+                    })
+                }
+            }
+        }
+        drop(connecting);
+        Self::with_options(nodes, options)
+    }
+
+    /// How many nodes.
+    pub fn nodes(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// How many nodes make a majority: `N/2 + 1`.
+    pub fn quorum(&self) -> usize {
+        self.nodes.len() / 2 + 1
+    }
+
+    /// The options in use.
+    pub fn options(&self) -> &RedlockOptions {
+        &self.options
+    }
+
+    /// The time a lease of `ttl` is guaranteed from the start of the call that set it.
+    fn validity(&self, ttl: Duration) -> Duration {
+        let drift = ttl.mul_f64(self.options.drift_factor) + Duration::from_millis(2);
+        ttl.saturating_sub(drift)
+    }
+
+    fn terms(&self, longest_ttl: Duration) -> NodeTerms {
+        let terms = NodeTerms::new().fail_fast(true);
+        if !self.options.restart_guard {
+            return terms;
+        }
+        let max_lease = self.options.max_lease.unwrap_or(longest_ttl);
+        terms.min_uptime(max_lease.max(longest_ttl))
+    }
+
+    /// Calls `call` on the nodes `which`, all at once, and gathers the answers until
+    /// `decided` says the outcome is known, every node has answered, or `timeout` passes.
+    /// Calls still out then are left to finish in the background.
+    async fn fan_out<T, F, Fut>(
+        &self,
+        which: impl IntoIterator<Item = usize>,
+        timeout: Duration,
+        call: F,
+        decided: impl Fn(&Replies<T>) -> bool,
+    ) -> Replies<T>
+    where
+        T: Send + 'static,
+        F: Fn(Arc<dyn Backend>) -> Fut,
+        Fut: Future<Output = Result<T>> + Send + 'static,
+    {
+        let deadline = Instant::now() + timeout;
+        let mut calls: FuturesUnordered<NodeCall<T>> = which
+            .into_iter()
+            .map(|i| {
+                let fut = call(self.nodes[i].clone());
+                Box::pin(async move { (i, fut.await) }) as NodeCall<T>
+            })
+            .collect();
+        let mut replies: Replies<T> = (0..self.nodes.len()).map(|_| None).collect();
+        while !decided(&replies) {
+            match runtime::until(Some(deadline), calls.next()).await {
+                Some(Some((i, reply))) => replies[i] = Some(reply),
+                Some(None) | None => break,
+            }
+        }
+        if !calls.is_empty() {
+            runtime::background().spawn(async move {
+                let drained = calls.for_each(|_| futures::future::ready(()));
+                runtime::until(Some(Instant::now() + DRAIN), drained).await;
+            });
+        }
+        replies
+    }
+
+    /// One round of the algorithm.
+    async fn round(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+    ) -> Round {
+        let started = Instant::now();
+        let (n, q) = (self.nodes.len(), self.quorum());
+        let mut validity = self.validity(ttl);
+        let timeout = self.options.node_timeout.min(validity / 2);
+        let terms = self.terms(ttl).fence_floor(fence_floor());
+        let (k, t) = (key.clone(), token.clone());
+        let replies = self
+            .fan_out(
+                0..n,
+                timeout,
+                move |node| {
+                    let (k, t) = (k.clone(), t.clone());
+                    async move { node.try_acquire_node(&k, &t, ttl, waiting, terms).await }
+                },
+                |r| {
+                    let granted = r.iter().filter(|a| is_granted(a)).count();
+                    let refused = r.iter().filter(|a| a.is_some() && !is_granted(a)).count();
+                    granted >= q || refused > n - q
+                },
+            )
+            .await;
+
+        let mut granted = Vec::new();
+        let mut held: Option<Option<Duration>> = None;
+        let mut warming: Option<Duration> = None;
+        let mut cleanup = Vec::new();
+        for (i, reply) in replies.iter().enumerate() {
+            match reply {
+                Some(Ok(Acquire::Acquired {
+                    fencing_token,
+                    validity: v,
+                })) => {
+                    validity = validity.min(*v);
+                    granted.push((i, *fencing_token));
+                    cleanup.push(i);
+                }
+                Some(Ok(Acquire::Held { remaining })) => {
+                    // The soonest any holder's lease runs out.
+                    let soonest = match (held.flatten(), *remaining) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                    held = Some(soonest);
+                }
+                Some(Ok(Acquire::Warming { remaining })) => {
+                    warming = Some(warming.map_or(*remaining, |w| w.min(*remaining)));
+                }
+                // Failed or silent: it may have granted all the same.
+                Some(Err(_)) | None => cleanup.push(i),
+            }
+        }
+
+        if granted.len() >= q && started.elapsed() < validity {
+            let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
+            let confirmed = self.write_back(key, fence, &granted, started + validity).await;
+            if confirmed >= q && started.elapsed() < validity {
+                return Round::Acquired(Acquire::Acquired {
+                    fencing_token: fence,
+                    validity,
+                });
+            }
+        }
+
+        // Not ours: take back what may have been granted. Sent before any next round with
+        // this token, so it runs before it on every node (see RedisBackend's one queue).
+        let (k, t) = (key.clone(), token.clone());
+        self.fan_out(
+            cleanup,
+            self.options.node_timeout,
+            move |node| {
+                let (k, t) = (k.clone(), t.clone());
+                async move { node.release(&k, &t).await }
+            },
+            |_| false,
+        )
+        .await;
+
+        let answered = granted.len() + replies.iter().filter(|r| is_held(r)).count();
+        match held {
+            Some(remaining) if answered >= q => Round::Held(remaining),
+            _ => Round::Unavailable {
+                granted: granted.len(),
+                warming,
+            },
+        }
+    }
+
+    /// Raises the fence counter to `fence` on the granting nodes that minted less; returns
+    /// how many granting nodes now hold at least `fence`.
+    async fn write_back(
+        &self,
+        key: &LeaseKey,
+        fence: u64,
+        granted: &[(usize, u64)],
+        deadline: Instant,
+    ) -> usize {
+        let behind: Vec<usize> = granted
+            .iter()
+            .filter(|&&(_, f)| f < fence)
+            .map(|&(i, _)| i)
+            .collect();
+        let level = granted.len() - behind.len();
+        if behind.is_empty() {
+            return level;
+        }
+        let timeout = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.options.node_timeout);
+        let k = key.clone();
+        let replies = self
+            .fan_out(
+                behind,
+                timeout,
+                move |node| {
+                    let k = k.clone();
+                    async move { node.raise_fence(&k, fence).await }
+                },
+                |_| false,
+            )
+            .await;
+        level + replies.iter().filter(|r| matches!(r, Some(Ok(())))).count()
+    }
+
+    /// Release or abandon on every node; `true` if a majority held the lease.
+    async fn release_all(&self, key: &LeaseKey, token: &Token, abandon: bool) -> Result<bool> {
+        let (n, q) = (self.nodes.len(), self.quorum());
+        let (k, t) = (key.clone(), token.clone());
+        let replies = self
+            .fan_out(
+                0..n,
+                self.options.node_timeout,
+                move |node| {
+                    let (k, t) = (k.clone(), t.clone());
+                    async move {
+                        if abandon {
+                            node.abandon(&k, &t).await
+                        } else {
+                            node.release(&k, &t).await
+                        }
+                    }
+                },
+                |r| {
+                    let released = r.iter().filter(|x| matches!(x, Some(Ok(true)))).count();
+                    let answered = r.iter().filter(|x| x.is_some()).count();
+                    // Decided, but every node is still asked to finish (in the background).
+                    answered == n || released >= q
+                },
+            )
+            .await;
+        let released = replies
+            .iter()
+            .filter(|x| matches!(x, Some(Ok(true))))
+            .count();
+        let not_ours = replies
+            .iter()
+            .filter(|x| matches!(x, Some(Ok(false))))
+            .count();
+        if released >= q {
+            Ok(true)
+        } else if not_ours > n - q {
+            Ok(false)
+        } else {
+            Err(Error::QuorumNotReached {
+                acquired: released,
+                required: q,
+            })
+        }
+    }
+}
+
+fn is_granted<T>(reply: &Option<Result<Acquire, T>>) -> bool {
+    matches!(reply, Some(Ok(Acquire::Acquired { .. })))
+}
+
+fn is_held<T>(reply: &Option<Result<Acquire, T>>) -> bool {
+    matches!(reply, Some(Ok(Acquire::Held { .. })))
+}
+
+/// The fencing-token floor proposed to the nodes: the client's clock in µs, plus a lead.
+fn fence_floor() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from((d + FLOOR_LEAD).as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+#[async_trait]
+impl Backend for Redlock {
+    async fn try_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+    ) -> Result<Acquire> {
+        let mut best = 0;
+        for attempt in 0..=self.options.retries {
+            if attempt > 0 {
+                let delay = self
+                    .options
+                    .retry_delay
+                    .mul_f64(rand::random_range(0.0..=1.0));
+                runtime::sleep(delay).await;
+            }
+            match self.round(key, token, ttl, waiting).await {
+                Round::Acquired(acquired) => return Ok(acquired),
+                Round::Held(remaining) => return Ok(Acquire::Held { remaining }),
+                Round::Unavailable {
+                    warming: Some(remaining),
+                    ..
+                } if waiting.recheck().is_some() => {
+                    // Restarted nodes will count again then: a waiting acquire waits for it.
+                    return Ok(Acquire::Warming { remaining });
+                }
+                Round::Unavailable { granted, .. } => best = best.max(granted),
+            }
+        }
+        Err(Error::QuorumNotReached {
+            acquired: best,
+            required: self.quorum(),
+        })
+    }
+
+    async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
+        let started = Instant::now();
+        let (n, q) = (self.nodes.len(), self.quorum());
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let owned: Arc<Vec<(LeaseKey, Token, Duration)>> = Arc::new(
+            leases
+                .iter()
+                .map(|l| (l.key.clone(), l.token.clone(), l.ttl))
+                .collect(),
+        );
+        let longest = leases.iter().map(|l| l.ttl).max().unwrap_or_default();
+        let shortest = leases.iter().map(|l| l.ttl).min().unwrap_or_default();
+        // A big batch takes a while to run; it is bounded by the watchdog's deadline too.
+        let timeout = self.options.node_timeout.max(shortest / 10);
+        let terms = self.terms(longest);
+        let count = leases.len();
+        let batch = owned.clone();
+        let replies = self
+            .fan_out(
+                0..n,
+                timeout,
+                move |node| {
+                    let batch = batch.clone();
+                    async move {
+                        let leases: Vec<Lease<'_>> = batch
+                            .iter()
+                            .map(|(key, token, ttl)| Lease {
+                                key,
+                                token,
+                                ttl: *ttl,
+                            })
+                            .collect();
+                        node.extend_node(&leases, terms).await
+                    }
+                },
+                |r| (0..count).all(|i| tally(r, i).decided(n, q)),
+            )
+            .await;
+        let elapsed = started.elapsed();
+        let mut out = Vec::with_capacity(count);
+        let mut worst = usize::MAX;
+        for (i, (_, _, ttl)) in owned.iter().enumerate() {
+            let t = tally(&replies, i);
+            let validity = self.validity(*ttl).min(t.validity);
+            if t.extended >= q && elapsed < validity {
+                out.push(Some(validity));
+            } else if t.extended >= q || t.refused > n - q {
+                // Confirmed too late, or a majority no longer holds it.
+                out.push(None);
+            } else {
+                worst = worst.min(t.extended);
+                out.push(None);
+            }
+        }
+        if worst != usize::MAX {
+            // Some lease is undecided (too few answers): the watchdog retries them all.
+            return Err(Error::QuorumNotReached {
+                acquired: worst,
+                required: q,
+            });
+        }
+        Ok(out)
+    }
+
+    async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+        self.release_all(key, token, false).await
+    }
+
+    async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+        self.release_all(key, token, true).await
+    }
+
+    /// Wakes on a release seen by any node. Nodes that do not answer within the node timeout
+    /// are left out (the waiter's fallback re-check covers them).
+    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
+        let n = self.nodes.len();
+        let k = key.clone();
+        let replies = self
+            .fan_out(
+                0..n,
+                self.options.node_timeout,
+                move |node| {
+                    let k = k.clone();
+                    async move { node.subscribe(&k).await }
+                },
+                |_| false,
+            )
+            .await;
+        Ok(Subscription::merge(
+            replies.into_iter().flatten().filter_map(Result::ok),
+        ))
+    }
+}
+
+/// One lease's extension answers across the nodes.
+struct Tally {
+    extended: usize,
+    /// Nodes that answered that they do not hold it (or do not count).
+    refused: usize,
+    /// Nodes that failed to answer: they may hold it still.
+    failed: usize,
+    validity: Duration,
+}
+
+impl Tally {
+    fn decided(&self, n: usize, q: usize) -> bool {
+        self.extended >= q || self.refused > n - q || self.extended + self.refused + self.failed == n
+    }
+}
+
+fn tally(replies: &Replies<Vec<Option<Duration>>>, lease: usize) -> Tally {
+    let mut t = Tally {
+        extended: 0,
+        refused: 0,
+        failed: 0,
+        validity: Duration::MAX,
+    };
+    for reply in replies.iter().flatten() {
+        match reply.as_ref().map(|v| v.get(lease).copied().flatten()) {
+            Ok(Some(v)) => {
+                t.extended += 1;
+                t.validity = t.validity.min(v);
+            }
+            Ok(None) => t.refused += 1,
+            Err(_) => t.failed += 1,
+        }
+    }
+    t
+}
