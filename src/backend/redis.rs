@@ -294,11 +294,10 @@ impl RedisBackend {
         builder.set_config(subscriber_config);
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
         if !wait {
+            // The connection tasks run where `init` would run them: on the caller's tokio
+            // runtime, or the crate's own one.
             let connecting = client.clone();
-            // On the crate's runtime: the reconnect loop outlives the caller's runtime.
-            runtime::background().spawn(async move {
-                drop(connecting.connect());
-            });
+            in_tokio(async move { drop(connecting.connect()) }).await;
         } else {
             in_tokio(client.init()).await.map_err(Error::backend)?;
         }
@@ -517,7 +516,11 @@ impl RedisBackend {
         if terms.get_fail_fast() && !self.inner.client.is_connected() {
             return Err(Error::backend(format!(
                 "not connected to {} (reconnecting)",
-                self.inner.client.client_config().server.hosts()
+                self.inner
+                    .client
+                    .client_config()
+                    .server
+                    .hosts()
                     .first()
                     .map(|h| format!("{}:{}", h.host, h.port))
                     .unwrap_or_default()

@@ -341,8 +341,7 @@ impl Redlock {
         }
         let required = urls.len() / 2 + 1;
         let deadline = Instant::now() + redis.get_connect_timeout();
-        let mut connecting: FuturesUnordered<_> =
-            nodes.iter().map(RedisBackend::ready).collect();
+        let mut connecting: FuturesUnordered<_> = nodes.iter().map(RedisBackend::ready).collect();
         let mut connected = 0;
         while connected < required {
             match runtime::until(Some(deadline), connecting.next()).await {
@@ -430,13 +429,7 @@ impl Redlock {
     }
 
     /// One round of the algorithm.
-    async fn round(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-    ) -> Round {
+    async fn round(&self, key: &LeaseKey, token: &Token, ttl: Duration, waiting: Waiting) -> Round {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
         let mut validity = self.validity(ttl);
@@ -491,7 +484,9 @@ impl Redlock {
 
         if granted.len() >= q && started.elapsed() < validity {
             let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
-            let confirmed = self.write_back(key, fence, &granted, started + validity).await;
+            let confirmed = self
+                .write_back(key, fence, &granted, started + validity)
+                .await;
             if confirmed >= q && started.elapsed() < validity {
                 return Round::Acquired(Acquire::Acquired {
                     fencing_token: fence,
@@ -768,7 +763,9 @@ struct Tally {
 
 impl Tally {
     fn decided(&self, n: usize, q: usize) -> bool {
-        self.extended >= q || self.refused > n - q || self.extended + self.refused + self.failed == n
+        self.extended >= q
+            || self.refused > n - q
+            || self.extended + self.refused + self.failed == n
     }
 }
 
