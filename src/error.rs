@@ -39,6 +39,14 @@ pub enum Error {
     /// [`LockGuard::lost`](crate::LockGuard::lost)) or was released already.
     #[error("the lease is no longer held (it expired, was lost or was taken over)")]
     NotHeld,
+    /// A cached value could not be computed here: the loader panicked or ran past its time
+    /// limit, failed in another process (its message is kept), or its value could not be
+    /// encoded or decoded. See [`Cache`](crate::Cache).
+    #[error("the value could not be loaded: {message}")]
+    LoadFailed {
+        /// What went wrong, as the loader's process saw it.
+        message: String,
+    },
     /// The store failed (connection refused, command timeout, script error, ...).
     #[error("backend error: {source}")]
     Backend {

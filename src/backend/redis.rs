@@ -478,7 +478,15 @@ impl Backend for RedisBackend {
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
         let channel = key.part(Part::Released).to_owned();
-        self.inner.pubsub.subscribe(channel).await
+        self.inner.pubsub.subscribe(channel, false).await
+    }
+}
+
+impl RedisBackend {
+    /// A subscription to `channel` that every message wakes in full (all local listeners),
+    /// on the shared pub/sub connection: for the stampede cache's `:filled` channel.
+    pub(crate) async fn subscribe_broadcast(&self, channel: String) -> Result<Subscription> {
+        self.inner.pubsub.subscribe(channel, true).await
     }
 }
 
@@ -495,6 +503,8 @@ struct PubSub {
 struct Channel {
     event: Arc<Event>,
     subscribers: usize,
+    /// A message wakes every local listener (cache fills), not just one (releases).
+    broadcast: bool,
 }
 
 fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<String, Channel>> {
@@ -514,7 +524,8 @@ impl PubSub {
                 // One release, one local waiter (the longest waiting): waking them all would
                 // send every waiter's attempt to Redis for one lease.
                 if let Some(c) = lock_map(&on_message).get(&*msg.channel) {
-                    c.event.notify(1.additional());
+                    let woken = if c.broadcast { usize::MAX } else { 1 };
+                    c.event.notify(woken.additional());
                 }
                 futures::future::ready(Ok(()))
             }));
@@ -535,7 +546,7 @@ impl PubSub {
         }
     }
 
-    async fn subscribe(self: &Arc<Self>, channel: String) -> Result<Subscription> {
+    async fn subscribe(self: &Arc<Self>, channel: String, broadcast: bool) -> Result<Subscription> {
         let mut started = self.ops.lock().await;
         if !*started {
             self.start().await?;
@@ -546,6 +557,7 @@ impl PubSub {
             let c = map.entry(channel.clone()).or_insert_with(|| Channel {
                 event: Arc::new(Event::new()),
                 subscribers: 0,
+                broadcast,
             });
             c.subscribers += 1;
             (c.event.clone(), c.subscribers == 1)
