@@ -50,6 +50,14 @@ pub enum Error {
         /// The quorum: a majority of the nodes.
         required: usize,
     },
+    /// A cached value could not be computed here: the loader panicked or ran past its time
+    /// limit, failed in another process (its message is kept), or its value could not be
+    /// encoded or decoded. See [`Cache`](crate::Cache).
+    #[error("the value could not be loaded: {message}")]
+    LoadFailed {
+        /// What went wrong, as the loader's process saw it.
+        message: String,
+    },
     /// The store failed (connection refused, command timeout, script error, ...).
     #[error("backend error: {source}")]
     Backend {

@@ -151,6 +151,11 @@ impl LockGuard {
             .expect("a live guard always holds its lease")
     }
 
+    /// The lease's token, for writes fenced by this lease (the stampede cache's fill).
+    pub(crate) fn token(&self) -> &Token {
+        &self.held().release.token
+    }
+
     /// The lock's name.
     pub fn name(&self) -> &str {
         &self.held().name

@@ -79,6 +79,7 @@
 //! | `smol` | no | smol executor when not inside tokio |
 //! | `async-std` | no | async-std executor when not inside tokio (and smol is off) |
 //! | `tls` | no | `rediss://` URLs (rustls); without it they are refused, never sent in plain text |
+//! | `serde` | no | typed values in [`Cache`] (`get_typed_with`), stored as JSON |
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // No unwrap on I/O paths: errors are returned; the few `expect`s state an invariant.
 #![warn(clippy::unwrap_used)]
@@ -89,6 +90,7 @@ mod guard;
 mod lock;
 mod options;
 mod runtime;
+mod stampede;
 mod token;
 mod watchdog;
 
@@ -104,5 +106,6 @@ pub use event_listener;
 pub use guard::{LockGuard, Lost};
 pub use lock::{Lock, LockManager};
 pub use options::{LockOptions, RetryPolicy, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
+pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
 pub use token::{LeaseKey, Token};
 pub use watchdog::WatchdogStats;

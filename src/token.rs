@@ -66,7 +66,15 @@ struct Names {
 }
 
 /// The derived names made with every key, in order: see [`Part`].
-const PARTS: [&str; 4] = ["fence", "waiters", "abandoned", "released"];
+const PARTS: [&str; 7] = [
+    "fence",
+    "waiters",
+    "abandoned",
+    "released",
+    "value",
+    "filled",
+    "failed",
+];
 
 /// A derived name of a lock (the Redis layout's keys and channel beside the lease).
 #[derive(Clone, Copy, Debug)]
@@ -75,6 +83,12 @@ pub(crate) enum Part {
     Waiters = 1,
     Abandoned = 2,
     Released = 3,
+    /// The cached value of a stampede-protected key (payload, compute time, grace).
+    Value = 4,
+    /// The channel a cache fill (or a failed compute) is published on.
+    Filled = 5,
+    /// Failed compute rounds of a cached key, by round, for waiters in other processes.
+    Failed = 6,
 }
 
 impl LeaseKey {
@@ -93,7 +107,7 @@ impl LeaseKey {
             }
         }
         key.push('}');
-        let mut all = String::with_capacity(key.len() * 5 + 40);
+        let mut all = String::with_capacity(key.len() * 8 + 60);
         all.push_str(&key);
         let mut ends = [all.len(); 1 + PARTS.len()];
         for (i, part) in PARTS.iter().enumerate() {
@@ -161,6 +175,9 @@ mod tests {
             (Part::Waiters, "waiters"),
             (Part::Abandoned, "abandoned"),
             (Part::Released, "released"),
+            (Part::Value, "value"),
+            (Part::Filled, "filled"),
+            (Part::Failed, "failed"),
         ] {
             assert_eq!(k.part(part), k.derived(suffix));
         }

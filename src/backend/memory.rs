@@ -29,6 +29,8 @@ use crate::token::{LeaseKey, Token};
 #[derive(Clone, Debug, Default)]
 pub struct MemoryBackend {
     state: Arc<Mutex<State>>,
+    /// Values of the stampede cache over this backend, shared by its clones.
+    pub(crate) cache: Arc<crate::stampede::MemoryValues>,
 }
 
 #[derive(Debug, Default)]
@@ -65,6 +67,29 @@ impl MemoryBackend {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Runs `f` while `key` is held by `token`, atomically with respect to every lease
+    /// operation (a write fenced by the lease, for the stampede cache).
+    pub(crate) fn while_held<R>(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        f: impl FnOnce() -> R,
+    ) -> Option<R> {
+        let st = self.state();
+        let held = st
+            .holder(key, Instant::now())
+            .is_some_and(|(t, _)| t == token);
+        held.then(f)
+    }
+
+    /// The fencing token and remaining time of the current holder of `key`, if any.
+    pub(crate) fn holder(&self, key: &LeaseKey) -> Option<(u64, Duration)> {
+        let now = Instant::now();
+        let st = self.state();
+        let (_, expires) = st.holder(key, now)?;
+        Some((st.fences.get(key).copied().unwrap_or(0), *expires - now))
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

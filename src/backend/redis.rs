@@ -246,7 +246,9 @@ impl RedisBackend {
 
     /// Connects with the given options.
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
-        Self::open(url, options, true).await
+        // Boxed, as is every large fred future here: debug builds copy futures through the
+        // stack, and small stacks (async-std's `block_on` thread) overflow otherwise.
+        Box::pin(Self::open(url, options, true)).await
     }
 
     /// Returns at once, without waiting for the server: the connection is made, and remade,
@@ -255,18 +257,21 @@ impl RedisBackend {
     /// Fails only with [`Error::InvalidConfig`] for a bad URL or options.
     ///
     /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Backend, LeaseKey, NodeTerms, RedisBackend, RedisOptions, Token, Waiting};
     /// # futures::executor::block_on(async {
-    /// // Nothing listens on port 1; the backend is made anyway.
-    /// let node = redlease::RedisBackend::connect_lazy(
-    ///     "redis://127.0.0.1:1",
-    ///     redlease::RedisOptions::new(),
-    /// )
-    /// .await?;
-    /// assert!(!node.client().is_connected());
+    /// // Nothing listens on port 1; the backend is made anyway...
+    /// let node = RedisBackend::connect_lazy("redis://127.0.0.1:1", RedisOptions::new()).await?;
+    /// // ...and a quorum member's call fails at once instead of waiting for it.
+    /// let key = LeaseKey::new("doc:", "job");
+    /// let fast = NodeTerms::new().fail_fast(true);
+    /// let (token, ttl) = (Token::random(), Duration::from_secs(1));
+    /// let attempt = node.try_acquire_node(&key, &token, ttl, Waiting::No, fast);
+    /// assert!(attempt.await.is_err());
     /// # Ok::<(), redlease::Error>(()) }).unwrap();
     /// ```
     pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
-        Self::open(url, options, false).await
+        Box::pin(Self::open(url, options, false)).await
     }
 
     async fn open(url: &str, options: RedisOptions, wait: bool) -> Result<Self> {
@@ -310,12 +315,12 @@ impl RedisBackend {
         // Loaded up front so that the first call of each is one EVALSHA, not a NOSCRIPT
         // round trip plus a reload; a restarted server is reloaded on demand by the calls.
         if wait {
-            in_tokio(futures::future::try_join4(
+            Box::pin(in_tokio(futures::future::try_join4(
                 scripts.acquire.load(&client),
                 scripts.extend.load(&client),
                 scripts.release.load(&client),
                 scripts.fence.load(&client),
-            ))
+            )))
             .await
             .map_err(Error::backend)?;
         }
@@ -643,7 +648,15 @@ impl Backend for RedisBackend {
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
         let channel = key.part(Part::Released).to_owned();
-        self.inner.pubsub.subscribe(channel).await
+        self.inner.pubsub.subscribe(channel, false).await
+    }
+}
+
+impl RedisBackend {
+    /// A subscription to `channel` that every message wakes in full (all local listeners),
+    /// on the shared pub/sub connection: for the stampede cache's `:filled` channel.
+    pub(crate) async fn subscribe_broadcast(&self, channel: String) -> Result<Subscription> {
+        self.inner.pubsub.subscribe(channel, true).await
     }
 }
 
@@ -660,6 +673,8 @@ struct PubSub {
 struct Channel {
     event: Arc<Event>,
     subscribers: usize,
+    /// A message wakes every local listener (cache fills), not just one (releases).
+    broadcast: bool,
 }
 
 fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<String, Channel>> {
@@ -679,7 +694,8 @@ impl PubSub {
                 // One release, one local waiter (the longest waiting): waking them all would
                 // send every waiter's attempt to Redis for one lease.
                 if let Some(c) = lock_map(&on_message).get(&*msg.channel) {
-                    c.event.notify(1.additional());
+                    let woken = if c.broadcast { usize::MAX } else { 1 };
+                    c.event.notify(woken.additional());
                 }
                 futures::future::ready(Ok(()))
             }));
@@ -700,7 +716,7 @@ impl PubSub {
         }
     }
 
-    async fn subscribe(self: &Arc<Self>, channel: String) -> Result<Subscription> {
+    async fn subscribe(self: &Arc<Self>, channel: String, broadcast: bool) -> Result<Subscription> {
         let mut started = self.ops.lock().await;
         if !*started {
             self.start().await?;
@@ -711,6 +727,7 @@ impl PubSub {
             let c = map.entry(channel.clone()).or_insert_with(|| Channel {
                 event: Arc::new(Event::new()),
                 subscribers: 0,
+                broadcast,
             });
             c.subscribers += 1;
             (c.event.clone(), c.subscribers == 1)

@@ -1,0 +1,1032 @@
+//! `Cache`: compute a missing or expiring value once, across processes (cache-stampede
+//! protection on top of [`Lock`]).
+
+use std::any::{Any, TypeId};
+use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use event_listener::Event;
+use futures::future::{self, BoxFuture};
+use futures::FutureExt;
+
+use crate::backend::Subscription;
+use crate::error::{Error, Result};
+use crate::guard::LockGuard;
+use crate::lock::{Lock, LockManager};
+use crate::options::{LockOptions, MAX_TTL};
+use crate::runtime::{self, Rt};
+use crate::{MemoryBackend, RedisBackend};
+
+mod store;
+
+pub(crate) use store::MemoryValues;
+use store::{Cached, Fill, MemoryStore, RedisStore, Store};
+
+/// The largest factor `-ln(u)` may reach in XFetch's early-refresh test: a very small random
+/// draw would otherwise refresh absurdly early (the Internet Archive harness' lesson).
+const XFETCH_CAP: f64 = 14.0;
+
+/// Settings of a [`Cache`]; every setter says its default.
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::{Cache, CacheOptions, MemoryBackend};
+/// # fn main() -> redlease::Result<()> {
+/// let options = CacheOptions::new()
+///     .stale_while_revalidate(Duration::from_secs(30))
+///     .wait_timeout(Duration::from_secs(2));
+/// let cache = Cache::with_options(MemoryBackend::new(), options)?;
+/// # let _ = cache; Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CacheOptions {
+    key_prefix: Arc<str>,
+    lease_ttl: Duration,
+    compute_timeout: Duration,
+    wait_timeout: Duration,
+    stale_while_revalidate: Option<Duration>,
+    xfetch_beta: Option<f64>,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            key_prefix: "redlease:cache:".into(),
+            lease_ttl: Duration::from_secs(10),
+            compute_timeout: Duration::from_secs(60),
+            wait_timeout: Duration::from_secs(30),
+            stale_while_revalidate: None,
+            xfetch_beta: None,
+        }
+    }
+}
+
+impl CacheOptions {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Prefix of every key the cache writes (the value, the compute lease and its derived
+    /// keys: `<prefix>{<key>}:value` and so on). Defaults to `redlease:cache:`, apart from
+    /// the locks' `redlease:`, so a cache key never collides with a lock of the same name.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into().into();
+        self
+    }
+
+    /// TTL of the compute lease. The watchdog keeps it alive while the loader runs; if the
+    /// loader's process dies, another caller takes over within this time. Defaults to 10 s.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// How long a loader may run. Past it the loader is dropped (cancelled), the lease is
+    /// released, and the round fails with [`Error::Timeout`]: a hung loader never wedges a
+    /// key. Defaults to 60 s.
+    pub fn compute_timeout(mut self, timeout: Duration) -> Self {
+        self.compute_timeout = timeout;
+        self
+    }
+
+    /// How long a caller waits for a value being computed (here or in another process)
+    /// before it gets [`Error::Timeout`]. The computation goes on and still fills the cache.
+    /// Defaults to 30 s.
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = timeout;
+        self
+    }
+
+    /// Stale-while-revalidate: keep a value `window` past its ttl. In that window callers
+    /// get the stale value at once, and one caller (across all processes) refreshes it in
+    /// the background. Off by default.
+    pub fn stale_while_revalidate(mut self, window: Duration) -> Self {
+        self.stale_while_revalidate = Some(window);
+        self
+    }
+
+    /// Probabilistic early refresh (XFetch, Vattani et al., VLDB 2015) with factor `beta`
+    /// (1.0 is the paper's choice; larger refreshes earlier). A caller that reads a fresh
+    /// value refreshes it in the background, while still returning it, when
+    /// `delta · beta · −ln(rand)` reaches the value's remaining fresh time, `delta` being
+    /// the measured duration of the last compute. The remaining time is the server's PTTL,
+    /// read with the value, so client clocks are never compared. Off by default.
+    pub fn xfetch(mut self, beta: f64) -> Self {
+        self.xfetch_beta = Some(beta);
+        self
+    }
+
+    /// Checks the options; [`Error::InvalidConfig`] says what is wrong.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let bad = redlease::CacheOptions::new().xfetch(-1.0);
+    /// assert!(matches!(bad.validate(), Err(redlease::Error::InvalidConfig(_))));
+    /// ```
+    pub fn validate(&self) -> Result<()> {
+        self.lock_options().validate()?;
+        if self.compute_timeout.is_zero() {
+            return Err(Error::invalid("compute_timeout must be more than zero"));
+        }
+        if self.wait_timeout.is_zero() {
+            return Err(Error::invalid("wait_timeout must be more than zero"));
+        }
+        if let Some(window) = self.stale_while_revalidate {
+            if window.is_zero() || window > MAX_TTL {
+                return Err(Error::invalid(format!(
+                    "stale_while_revalidate window must be in (0, {MAX_TTL:?}], got {window:?}"
+                )));
+            }
+        }
+        if let Some(beta) = self.xfetch_beta {
+            if !(beta.is_finite() && beta > 0.0) {
+                return Err(Error::invalid(format!(
+                    "xfetch beta must be a finite number above 0, got {beta}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn lock_options(&self) -> LockOptions {
+        LockOptions::new()
+            .ttl(self.lease_ttl)
+            .key_prefix(&*self.key_prefix)
+    }
+
+    fn grace(&self) -> Duration {
+        self.stale_while_revalidate.unwrap_or_default()
+    }
+}
+
+mod sealed {
+    /// Where a cache keeps its values; opaque outside the crate.
+    #[derive(Debug)]
+    pub struct StoreHandle(pub(super) std::sync::Arc<dyn super::Store>);
+
+    pub trait Sealed {
+        fn into_store(self) -> StoreHandle;
+    }
+}
+
+/// A backend a [`Cache`] can keep values in: [`RedisBackend`] (across processes) or
+/// [`MemoryBackend`] (one process). Sealed: the cache needs a fenced write and fill
+/// notifications, which the [`Backend`](crate::Backend) trait does not have.
+pub trait CacheBackend: sealed::Sealed {}
+
+impl sealed::Sealed for RedisBackend {
+    fn into_store(self) -> sealed::StoreHandle {
+        sealed::StoreHandle(Arc::new(RedisStore::new(self)))
+    }
+}
+impl CacheBackend for RedisBackend {}
+
+impl sealed::Sealed for MemoryBackend {
+    fn into_store(self) -> sealed::StoreHandle {
+        sealed::StoreHandle(Arc::new(MemoryStore::new(self)))
+    }
+}
+impl CacheBackend for MemoryBackend {}
+
+/// Counters of one [`Cache`] (this process only), from [`Cache::stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CacheStats {
+    /// Calls of `get_with` and friends.
+    pub calls: u64,
+    /// Calls that joined a flight already under way in this process (no Redis call of
+    /// their own).
+    pub coalesced: u64,
+    /// Loader runs started in this process (origin calls).
+    pub loads: u64,
+    /// Flights answered with a stale value (stale-while-revalidate) or an early-refreshed
+    /// one (XFetch) while a refresh was started.
+    pub served_stale: u64,
+    /// Background refreshes this process ran the loader for.
+    pub refreshes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    calls: AtomicU64,
+    coalesced: AtomicU64,
+    loads: AtomicU64,
+    served_stale: AtomicU64,
+    refreshes: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Computes a missing or expiring value once while every other caller waits for it, in
+/// this process and in any other that uses the same Redis: cache-stampede protection.
+///
+/// A value lives at `<prefix>{<key>}:value`. On a miss, callers in one process share one
+/// flight (one Redis round trip); across processes one of them takes the *compute lease*
+/// (an ordinary lease of this crate, kept alive by the watchdog) and runs its loader; the
+/// others wait for a pub/sub message on `<prefix>{<key>}:filled` and read the value then.
+/// The write is fenced by the lease: a loader that outlived its lease cannot overwrite a
+/// newer value.
+///
+/// The loader runs detached (on the runtime of the caller that started the flight), so a
+/// caller's timeout or drop ends only its own wait; the value still fills the cache. A
+/// loader that panics, fails or runs past [`CacheOptions::compute_timeout`] frees the key
+/// at once; one whose process dies frees it within [`CacheOptions::lease_ttl`].
+///
+/// Cheap to clone; clones share flights and counters.
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::{Cache, MemoryBackend};
+/// # futures::executor::block_on(async {
+/// // With Redis: Cache::new(RedisBackend::connect("redis://127.0.0.1:6379").await?)
+/// let cache = Cache::new(MemoryBackend::new());
+/// let ttl = Duration::from_secs(60);
+/// let page = cache.get_with("page:/home", ttl, || async { "<h1>home</h1>" }).await?;
+/// assert_eq!(&page[..], b"<h1>home</h1>");
+/// // Cached now: this loader is not called.
+/// let again = cache.get_with("page:/home", ttl, || async { "unused" }).await?;
+/// assert_eq!(again, page);
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+///
+/// # Concurrent calls on the same key
+///
+/// Only one loader runs per key and round; the loaders of the other callers are dropped
+/// unused. Flights are keyed by key and, for [`try_get_with`](Self::try_get_with), by the
+/// error type (as moka does), so each caller gets its own error type back.
+#[derive(Clone)]
+pub struct Cache {
+    inner: Arc<Inner>,
+}
+
+type FlightKey = (String, TypeId);
+
+struct Inner {
+    store: Arc<dyn Store>,
+    locks: LockManager,
+    options: CacheOptions,
+    flights: Mutex<HashMap<FlightKey, Arc<Flight>>>,
+    refreshing: Mutex<HashSet<String>>,
+    stats: Counters,
+}
+
+impl fmt::Debug for Cache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cache")
+            .field("store", &self.inner.store)
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update under these locks is one insert or remove: a poisoned lock is consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A loader's failure as the flight carries it: the error itself (for callers in this
+/// process, as `Arc<E>`) and its message (for callers in other processes).
+struct LoadError {
+    error: Arc<dyn Any + Send + Sync>,
+    message: String,
+}
+
+type Loader = Box<dyn FnOnce() -> BoxFuture<'static, Result<Bytes, LoadError>> + Send>;
+
+/// What every caller of a flight gets.
+#[derive(Clone)]
+enum Outcome {
+    Value(Bytes),
+    Loader(Arc<dyn Any + Send + Sync>),
+    Failed(Arc<Error>),
+}
+
+/// Why a call did not return a value.
+enum Fail {
+    Loader(Arc<dyn Any + Send + Sync>),
+    Cache(Error),
+}
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Self {
+        Fail::Cache(e)
+    }
+}
+
+/// One in-process computation or read of a key, shared by its callers.
+struct Flight {
+    outcome: OnceLock<Outcome>,
+    done: Event,
+    callers: AtomicUsize,
+    gone: Event,
+}
+
+impl Flight {
+    async fn wait(&self) -> Outcome {
+        loop {
+            if let Some(o) = self.outcome.get() {
+                return o.clone();
+            }
+            let listener = self.done.listen();
+            if let Some(o) = self.outcome.get() {
+                return o.clone();
+            }
+            listener.await;
+        }
+    }
+}
+
+/// A caller's place in a flight; leaving (done, timed out or dropped) takes it back.
+struct Ticket(Arc<Flight>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.0.callers.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.gone.notify(usize::MAX);
+        }
+    }
+}
+
+/// A shared error handed to one more caller: the same variant, the backend's source shared.
+fn duplicate(e: &Arc<Error>) -> Error {
+    match &**e {
+        Error::InvalidConfig(m) => Error::InvalidConfig(m.clone()),
+        Error::Timeout { waited } => Error::Timeout { waited: *waited },
+        Error::NotHeld => Error::NotHeld,
+        Error::LoadFailed { message } => Error::LoadFailed {
+            message: message.clone(),
+        },
+        Error::QuorumNotReached { acquired, required } => Error::QuorumNotReached {
+            acquired: *acquired,
+            required: *required,
+        },
+        Error::Backend { .. } => Error::backend(SharedError(e.clone())),
+    }
+}
+
+/// A backend error shared by every caller of a flight.
+struct SharedError(Arc<Error>);
+
+impl fmt::Debug for SharedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for SharedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &*self.0 {
+            Error::Backend { source } => fmt::Display::fmt(source, f),
+            other => fmt::Display::fmt(other, f),
+        }
+    }
+}
+
+impl std::error::Error for SharedError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &*self.0 {
+            Error::Backend { source } => source.source(),
+            _ => None,
+        }
+    }
+}
+
+impl Cache {
+    /// A cache with default [`CacheOptions`] over `backend`.
+    pub fn new(backend: impl CacheBackend) -> Self {
+        Self::build(backend.into_store().0, CacheOptions::default())
+            .expect("the default cache options are valid")
+    }
+
+    /// A cache with the given options, checked now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for invalid options.
+    pub fn with_options(backend: impl CacheBackend, options: CacheOptions) -> Result<Self> {
+        Self::build(backend.into_store().0, options)
+    }
+
+    fn build(store: Arc<dyn Store>, options: CacheOptions) -> Result<Self> {
+        options.validate()?;
+        let locks = LockManager::shared(store.backend(), options.lock_options())?;
+        Ok(Cache {
+            inner: Arc::new(Inner {
+                store,
+                locks,
+                options,
+                flights: Mutex::default(),
+                refreshing: Mutex::default(),
+                stats: Counters::default(),
+            }),
+        })
+    }
+
+    /// The options.
+    pub fn options(&self) -> &CacheOptions {
+        &self.inner.options
+    }
+
+    /// This process' counters for this cache (and its clones).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # futures::executor::block_on(async {
+    /// let cache = redlease::Cache::new(redlease::MemoryBackend::new());
+    /// cache.get_with("k", Duration::from_secs(5), || async { "v" }).await?;
+    /// cache.get_with("k", Duration::from_secs(5), || async { "w" }).await?;
+    /// assert_eq!(cache.stats().loads, 1);
+    /// assert_eq!(cache.stats().calls, 2);
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub fn stats(&self) -> CacheStats {
+        let s = &self.inner.stats;
+        CacheStats {
+            calls: s.calls.load(Ordering::Relaxed),
+            coalesced: s.coalesced.load(Ordering::Relaxed),
+            loads: s.loads.load(Ordering::Relaxed),
+            served_stale: s.served_stale.load(Ordering::Relaxed),
+            refreshes: s.refreshes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The value of `key`, or the one `loader` computes when it is missing: computed once
+    /// across every caller of this key, in this process and in every other on the same
+    /// store, while the others wait for it. The value is kept `ttl` (plus the
+    /// stale-while-revalidate window, if set).
+    ///
+    /// `loader` is called at most once, and only by the caller whose flight took the
+    /// compute lease; it runs detached, so it must be `Send + 'static`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # futures::executor::block_on(async {
+    /// let cache = redlease::Cache::new(redlease::MemoryBackend::new());
+    /// let v = cache
+    ///     .get_with("user:42", Duration::from_secs(30), || async { b"Ada".to_vec() })
+    ///     .await?;
+    /// assert_eq!(&v[..], b"Ada");
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] after [`CacheOptions::wait_timeout`] (the compute goes on), or when
+    /// the loader ran past [`CacheOptions::compute_timeout`]; [`Error::LoadFailed`] if the
+    /// loader panicked; [`Error::InvalidConfig`] for an empty key or a ttl out of range;
+    /// [`Error::Backend`] if the store failed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future ends only this caller's wait: a loader already started runs to
+    /// its end and fills the cache for the next caller.
+    pub async fn get_with<F, Fut, V>(&self, key: &str, ttl: Duration, loader: F) -> Result<Bytes>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = V> + Send + 'static,
+        V: Into<Bytes>,
+    {
+        let load: Loader = Box::new(move || Box::pin(async move { Ok(loader().await.into()) }));
+        match self.fetch(key, ttl, TypeId::of::<Infallible>(), load).await {
+            Ok(bytes) => Ok(bytes),
+            Err(Fail::Cache(e)) => Err(e),
+            Err(Fail::Loader(_)) => Err(Error::LoadFailed {
+                message: "an infallible loader reported an error".into(),
+            }),
+        }
+    }
+
+    /// Like [`get_with`](Self::get_with) for a loader that can fail. A failure is not
+    /// cached: every caller waiting on that round gets it (callers in this process share one
+    /// `Arc<E>`; callers in other processes get `E::from(Error::LoadFailed { message })`
+    /// with the error's `Display` text), and the next call runs a loader again. Errors of
+    /// the cache itself (timeouts, Redis) arrive as `E::from(Error)`.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// enum AppError {
+    ///     #[error("database: {0}")]
+    ///     Db(String),
+    ///     #[error(transparent)]
+    ///     Cache(#[from] redlease::Error),
+    /// }
+    ///
+    /// # futures::executor::block_on(async {
+    /// let cache = redlease::Cache::new(redlease::MemoryBackend::new());
+    /// let ttl = Duration::from_secs(30);
+    /// let err = cache
+    ///     .try_get_with("q", ttl, || async { Err::<Vec<u8>, _>(AppError::Db("down".into())) })
+    ///     .await
+    ///     .unwrap_err();
+    /// assert!(matches!(&*err, AppError::Db(_)));
+    /// // Not cached: the next call runs its loader.
+    /// let ok = cache.try_get_with("q", ttl, || async { Ok::<_, AppError>("rows") }).await?;
+    /// assert_eq!(&ok[..], b"rows");
+    /// # Ok::<(), Arc<AppError>>(()) }).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The loader's error as `Arc<E>`; the cache's errors (see
+    /// [`get_with`](Self::get_with)) converted with `E::from`.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get_with`](Self::get_with).
+    pub async fn try_get_with<F, Fut, V, E>(
+        &self,
+        key: &str,
+        ttl: Duration,
+        loader: F,
+    ) -> Result<Bytes, Arc<E>>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<V, E>> + Send + 'static,
+        V: Into<Bytes>,
+        E: From<Error> + fmt::Display + Send + Sync + 'static,
+    {
+        let load: Loader = Box::new(move || {
+            Box::pin(async move {
+                loader().await.map(Into::into).map_err(|e| LoadError {
+                    message: e.to_string(),
+                    error: Arc::new(e),
+                })
+            })
+        });
+        match self.fetch(key, ttl, TypeId::of::<E>(), load).await {
+            Ok(bytes) => Ok(bytes),
+            Err(Fail::Cache(e)) => Err(Arc::new(E::from(e))),
+            Err(Fail::Loader(any)) => Err(any.downcast::<E>().unwrap_or_else(|_| {
+                Arc::new(E::from(Error::LoadFailed {
+                    message: "the loader's error had another type".into(),
+                }))
+            })),
+        }
+    }
+
+    fn check(&self, key: &str, ttl: Duration) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::invalid("cache key must not be empty"));
+        }
+        if ttl.is_zero() || ttl > MAX_TTL {
+            return Err(Error::invalid(format!(
+                "cache ttl must be in (0, {MAX_TTL:?}], got {ttl:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn fetch(
+        &self,
+        key: &str,
+        ttl: Duration,
+        kind: TypeId,
+        load: Loader,
+    ) -> Result<Bytes, Fail> {
+        let began = Instant::now();
+        self.check(key, ttl)?;
+        let inner = &self.inner;
+        bump(&inner.stats.calls);
+        let fkey = (key.to_owned(), kind);
+        let (flight, created) = inner.join(&fkey);
+        let ticket = Ticket(flight.clone());
+        if created {
+            let task = Inner::run_flight(inner.clone(), flight.clone(), fkey, ttl, load);
+            Rt::current().spawn(task);
+        } else {
+            bump(&inner.stats.coalesced);
+        }
+        let deadline = began.checked_add(inner.options.wait_timeout);
+        let outcome = runtime::until(deadline, ticket.0.wait()).await;
+        drop(ticket);
+        match outcome {
+            None => Err(Fail::Cache(Error::Timeout {
+                waited: began.elapsed(),
+            })),
+            Some(Outcome::Value(bytes)) => Ok(bytes),
+            Some(Outcome::Loader(e)) => Err(Fail::Loader(e)),
+            Some(Outcome::Failed(e)) => Err(Fail::Cache(duplicate(&e))),
+        }
+    }
+}
+
+/// How a flight ended.
+enum Resolved {
+    /// A fresh value (read or computed).
+    Value(Bytes),
+    /// A value to serve now while it is refreshed in the background (stale, or picked for
+    /// early refresh), with the lease if this flight holds it already.
+    Serve(Bytes, Duration, Option<LockGuard>),
+    Failed(Outcome),
+    /// Every caller left while another process computed: nothing to do.
+    Unwatched,
+}
+
+/// What a read value calls for.
+enum Judged {
+    Fresh,
+    Refresh,
+}
+
+/// Ends a flight with an outcome exactly once, also when its task is dropped (its runtime
+/// shut down): callers then learn it at once instead of at their timeout.
+struct Finish {
+    inner: Arc<Inner>,
+    flight: Arc<Flight>,
+    fkey: FlightKey,
+    done: bool,
+}
+
+impl Finish {
+    fn publish(&mut self, outcome: Outcome) {
+        self.done = true;
+        self.inner.finish(&self.fkey, &self.flight, outcome);
+    }
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if !self.done {
+            let e = Error::LoadFailed {
+                message: "the computation was dropped (its runtime shut down)".into(),
+            };
+            self.inner
+                .finish(&self.fkey, &self.flight, Outcome::Failed(Arc::new(e)));
+        }
+    }
+}
+
+/// Removes a key from the set of background refreshes in this process when dropped.
+struct Refreshing<'a>(&'a Inner, String);
+
+impl Drop for Refreshing<'_> {
+    fn drop(&mut self) {
+        locked(&self.0.refreshing).remove(&self.1);
+    }
+}
+
+impl Inner {
+    /// Joins the flight of `fkey`, or starts one (`true`).
+    fn join(&self, fkey: &FlightKey) -> (Arc<Flight>, bool) {
+        let mut flights = locked(&self.flights);
+        if let Some(f) = flights.get(fkey) {
+            f.callers.fetch_add(1, Ordering::AcqRel);
+            return (f.clone(), false);
+        }
+        let f = Arc::new(Flight {
+            outcome: OnceLock::new(),
+            done: Event::new(),
+            callers: AtomicUsize::new(1),
+            gone: Event::new(),
+        });
+        flights.insert(fkey.clone(), f.clone());
+        (f, true)
+    }
+
+    /// Takes the flight out of the map (later callers start a new one), then hands the
+    /// outcome to its callers.
+    fn finish(&self, fkey: &FlightKey, flight: &Arc<Flight>, outcome: Outcome) {
+        {
+            let mut flights = locked(&self.flights);
+            if flights.get(fkey).is_some_and(|f| Arc::ptr_eq(f, flight)) {
+                flights.remove(fkey);
+            }
+        }
+        let _ = flight.outcome.set(outcome);
+        flight.done.notify(usize::MAX);
+    }
+
+    /// Ends the flight if no caller waits on it any more (checked under the map lock, so
+    /// no caller can join it in between).
+    fn unwatched(&self, fkey: &FlightKey, flight: &Arc<Flight>) -> bool {
+        let mut flights = locked(&self.flights);
+        if flight.callers.load(Ordering::Acquire) > 0 {
+            return false;
+        }
+        if flights.get(fkey).is_some_and(|f| Arc::ptr_eq(f, flight)) {
+            flights.remove(fkey);
+        }
+        true
+    }
+
+    fn judge(&self, v: &Cached) -> Judged {
+        if !v.grace.is_zero() && v.pttl <= v.grace {
+            return Judged::Refresh;
+        }
+        if let Some(beta) = self.options.xfetch_beta {
+            let fresh_left = v.pttl.saturating_sub(v.grace).as_secs_f64();
+            // u in (0, 1], so -ln(u) is finite and >= 0.
+            let u = 1.0 - rand::random::<f64>();
+            let x = (-u.ln()).min(XFETCH_CAP);
+            if v.delta.as_secs_f64() * beta * x >= fresh_left {
+                return Judged::Refresh;
+            }
+        }
+        Judged::Fresh
+    }
+
+    /// The flight's task: read, wait or compute, hand the outcome to the callers, then
+    /// refresh in the background if the value called for it.
+    async fn run_flight(
+        inner: Arc<Inner>,
+        flight: Arc<Flight>,
+        fkey: FlightKey,
+        ttl: Duration,
+        load: Loader,
+    ) {
+        let lock = inner.locks.lock(&fkey.0);
+        let mut finish = Finish {
+            inner: inner.clone(),
+            flight: flight.clone(),
+            fkey,
+            done: false,
+        };
+        let mut load = Some(load);
+        let resolved = inner
+            .resolve(&flight, &finish.fkey, &lock, ttl, &mut load)
+            .await;
+        match resolved {
+            Ok(Resolved::Value(bytes)) => finish.publish(Outcome::Value(bytes)),
+            Ok(Resolved::Failed(outcome)) => finish.publish(outcome),
+            Ok(Resolved::Unwatched) => finish.done = true,
+            Ok(Resolved::Serve(bytes, pttl, guard)) => {
+                bump(&inner.stats.served_stale);
+                finish.publish(Outcome::Value(bytes));
+                if let Some(load) = load.take() {
+                    inner.refresh(&lock, ttl, pttl, guard, load).await;
+                }
+            }
+            Err(e) => finish.publish(Outcome::Failed(Arc::new(e))),
+        }
+    }
+
+    async fn resolve(
+        &self,
+        flight: &Arc<Flight>,
+        fkey: &FlightKey,
+        lock: &Lock,
+        ttl: Duration,
+        load: &mut Option<Loader>,
+    ) -> Result<Resolved> {
+        let key = lock.key();
+        // The round (the holder's fencing token) this flight waits on, once it has seen one.
+        let mut awaited: Option<u64> = None;
+        let mut sub: Option<Subscription> = None;
+        loop {
+            // Armed before the read, so a fill between the read and the wait is not missed.
+            let woken = sub.as_ref().map(Subscription::listen);
+            let read = self.store.read(key, awaited).await?;
+            if let Some(v) = read.value {
+                return Ok(match self.judge(&v) {
+                    Judged::Fresh => Resolved::Value(v.bytes),
+                    Judged::Refresh => Resolved::Serve(v.bytes, v.pttl, None),
+                });
+            }
+            if let Some(message) = read.failed {
+                let e = Error::LoadFailed { message };
+                return Ok(Resolved::Failed(Outcome::Failed(Arc::new(e))));
+            }
+            let Some(round) = read.round else {
+                // Nobody computes: take the lease, check again (another process may have
+                // filled the value between the read and now), and compute.
+                let Some(guard) = lock.try_acquire().await? else {
+                    continue;
+                };
+                let again = self.store.read(key, None).await?;
+                if let Some(v) = again.value {
+                    return Ok(match self.judge(&v) {
+                        Judged::Fresh => {
+                            self.end_round(key, guard).await;
+                            Resolved::Value(v.bytes)
+                        }
+                        Judged::Refresh => Resolved::Serve(v.bytes, v.pttl, Some(guard)),
+                    });
+                }
+                let Some(load) = load.take() else {
+                    self.end_round(key, guard).await;
+                    return Err(Error::LoadFailed {
+                        message: "the flight's loader was used already".into(),
+                    });
+                };
+                return Ok(self.compute(key, guard, ttl, load).await);
+            };
+            awaited = Some(round);
+            let Some(woken) = woken else {
+                // Subscribe, then read again at once: a fill that came before the
+                // subscription took effect is seen by that read.
+                sub = Some(self.store.subscribe(key).await?);
+                continue;
+            };
+            let gone = flight.gone.listen();
+            if self.unwatched(fkey, flight) {
+                return Ok(Resolved::Unwatched);
+            }
+            // A holder that died never publishes: look again when its lease runs out.
+            let pause = read
+                .lease_pttl
+                .unwrap_or(self.options.lease_ttl)
+                .min(self.options.lease_ttl)
+                + Duration::from_millis(1);
+            let sleep = pin!(runtime::sleep(pause));
+            let woken_or_gone = future::select(woken, gone);
+            drop(future::select(woken_or_gone, sleep).await);
+        }
+    }
+
+    /// Runs the loader under the lease `guard`, writes its value fenced by the lease, and
+    /// ends the round.
+    async fn compute(
+        &self,
+        key: &crate::LeaseKey,
+        guard: LockGuard,
+        ttl: Duration,
+        load: Loader,
+    ) -> Resolved {
+        bump(&self.stats.loads);
+        let round = guard.fencing_token();
+        let started = Instant::now();
+        let run = AssertUnwindSafe(async move { load().await }).catch_unwind();
+        let deadline = started.checked_add(self.options.compute_timeout);
+        let result = runtime::until(deadline, run).await;
+        let delta = started.elapsed();
+        let (resolved, message) = match result {
+            Some(Ok(Ok(bytes))) => {
+                let fill = Fill {
+                    bytes: bytes.clone(),
+                    delta,
+                    grace: self.options.grace(),
+                    ttl,
+                };
+                match self.store.fill(key, guard.token(), fill).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::warn!(
+                        %key,
+                        "computed value not cached: the compute lease was lost meanwhile"
+                    ),
+                    Err(e) => tracing::warn!(%key, error = %e, "computed value not cached"),
+                }
+                // Released after the fill: waiters read the value as soon as they are told.
+                let _ = guard.release().await;
+                return Resolved::Value(bytes);
+            }
+            Some(Ok(Err(e))) => (Outcome::Loader(e.error), e.message),
+            Some(Err(panic)) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "no message".into());
+                let message = format!("the loader panicked: {what}");
+                let e = Error::LoadFailed {
+                    message: message.clone(),
+                };
+                (Outcome::Failed(Arc::new(e)), message)
+            }
+            None => {
+                let waited = self.options.compute_timeout;
+                let e = Error::Timeout { waited };
+                let message = format!("the loader ran past compute_timeout ({waited:?})");
+                (Outcome::Failed(Arc::new(e)), message)
+            }
+        };
+        tracing::debug!(%key, %message, "compute failed; not cached");
+        // Callers in other processes waiting on this round read the message; later rounds
+        // never see it. Kept as long as a waiter may sleep before it looks again.
+        let keep = self.options.lease_ttl.saturating_mul(2);
+        if let Err(e) = self
+            .store
+            .fail(key, guard.token(), round, &message, keep)
+            .await
+        {
+            tracing::warn!(%key, error = %e, "could not record the failed compute");
+        }
+        let _ = guard.release().await;
+        Resolved::Failed(resolved)
+    }
+
+    /// Ends a round that wrote nothing: release the lease, then wake the waiters so they
+    /// look again (they would otherwise sleep until the lease's TTL).
+    async fn end_round(&self, key: &crate::LeaseKey, guard: LockGuard) {
+        let _ = guard.release().await;
+        if let Err(e) = self.store.notify(key).await {
+            tracing::debug!(%key, error = %e, "could not wake the waiters");
+        }
+    }
+
+    /// One background refresh of a stale or early-expiring value, unless this process or
+    /// another one is refreshing it already ("duck out": the current value is served
+    /// meanwhile).
+    async fn refresh(
+        &self,
+        lock: &Lock,
+        ttl: Duration,
+        seen_pttl: Duration,
+        guard: Option<LockGuard>,
+        load: Loader,
+    ) {
+        let name = lock.name().to_owned();
+        if !locked(&self.refreshing).insert(name.clone()) {
+            return;
+        }
+        let _unmark = Refreshing(self, name);
+        let key = lock.key();
+        let guard = match guard {
+            Some(g) => g,
+            None => match lock.try_acquire().await {
+                Ok(Some(g)) => g,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::debug!(%key, error = %e, "background refresh skipped");
+                    return;
+                }
+            },
+        };
+        // Someone refreshed between our read and the lease: the lifetime went up.
+        match self.store.read(key, None).await {
+            Ok(read) if read.value.as_ref().is_some_and(|v| v.pttl > seen_pttl) => {
+                self.end_round(key, guard).await;
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(%key, error = %e, "background refresh skipped");
+                self.end_round(key, guard).await;
+                return;
+            }
+        }
+        bump(&self.stats.refreshes);
+        if let Resolved::Failed(_) = self.compute(key, guard, ttl, load).await {
+            tracing::warn!(%key, "background refresh failed; the current value stays");
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+mod typed;
+
+/// Errors out of a loader whose value is typed: see `Cache::get_typed_with` (feature
+/// `serde`).
+#[cfg(feature = "serde")]
+fn encode_error(e: impl fmt::Display) -> Error {
+    Error::LoadFailed {
+        message: format!("the value could not be encoded: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_checked() {
+        let bad = [
+            CacheOptions::new().lease_ttl(Duration::ZERO),
+            CacheOptions::new().compute_timeout(Duration::ZERO),
+            CacheOptions::new().wait_timeout(Duration::ZERO),
+            CacheOptions::new().stale_while_revalidate(Duration::ZERO),
+            CacheOptions::new().xfetch(f64::NAN),
+            CacheOptions::new().xfetch(0.0),
+            CacheOptions::new().key_prefix("a{b"),
+        ];
+        for o in bad {
+            assert!(
+                matches!(o.validate(), Err(Error::InvalidConfig(_))),
+                "{o:?} must be refused"
+            );
+        }
+        assert!(CacheOptions::new().xfetch(1.0).validate().is_ok());
+    }
+
+    #[test]
+    fn stale_values_are_refreshed_and_fresh_ones_kept() {
+        let cache = Cache::new(MemoryBackend::new());
+        let v = |pttl_ms, grace_ms, delta_ms| Cached {
+            bytes: Bytes::new(),
+            delta: Duration::from_millis(delta_ms),
+            grace: Duration::from_millis(grace_ms),
+            pttl: Duration::from_millis(pttl_ms),
+        };
+        assert!(matches!(
+            cache.inner.judge(&v(500, 1000, 5)),
+            Judged::Refresh
+        ));
+        assert!(matches!(
+            cache.inner.judge(&v(1500, 1000, 5)),
+            Judged::Fresh
+        ));
+        assert!(matches!(cache.inner.judge(&v(1500, 0, 5)), Judged::Fresh));
+    }
+}
