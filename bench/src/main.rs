@@ -153,6 +153,15 @@ async fn main() {
     )
     .unwrap();
 
+    // Started first: by the time W4 runs they have been up for a TTL (see W4).
+    let w4_nodes: (Vec<RedisServer>, Vec<RedisServer>) = if plan.runs("W4") {
+        (
+            (0..3).map(|_| RedisServer::start()).collect(),
+            (0..5).map(|_| RedisServer::start()).collect(),
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let node = RedisServer::start();
     let url = node.url();
     let clients = Clients::connect(&url).await;
@@ -272,31 +281,86 @@ async fn main() {
         .unwrap();
     }
 
-    // W4: Redlock shapes. redlease's Redlock backend is not built yet: rslock rows only.
+    // W4: Redlock over 3 and 5 nodes, redlease beside rslock, interleaved; then with one
+    // node paused. The nodes were started at the beginning of the run, so that they have
+    // been up for one TTL by now and redlease's restart guard lets them count (it is on,
+    // as in production: its cost is in the numbers).
     if plan.runs("W4") {
         eprintln!("W4");
-        writeln!(md, "## W4: Redlock over 3 and 5 nodes\n\nredlease has no Redlock backend yet (issue \"Redlock mode\"): rslock only, for the record.\n\n| nodes | shape | rslock cycles/s | with one node paused |\n|---|---|---|---|").unwrap();
-        for n in [3usize, 5] {
-            let nodes: Vec<RedisServer> = (0..n).map(|_| RedisServer::start()).collect();
+        writeln!(md, "## W4: Redlock over 3 and 5 nodes\n\nOne shared client per library, W1 (1 task) and W2 (64 tasks, distinct keys) shapes; TTL 30 s; redlease with its restart guard on and the default 50 ms node timeout.\n\n| nodes | shape | redlease explicit | redlease drop | rslock | explicit vs rslock | drop vs rslock | redlease acquire p50 / p99 |\n|---|---|---|---|---|---|---|---|").unwrap();
+        let mut paused_rows = Vec::new();
+        for (n, nodes) in [(3usize, &w4_nodes.0), (5, &w4_nodes.1)] {
             let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
+            let url_refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+            wait_for_uptime(nodes, libs::TTL);
+            let redlock = redlease::Redlock::connect(&url_refs)
+                .await
+                .expect("redlock connects");
+            let locks = redlease::LockManager::with_options(
+                redlock,
+                redlease::LockOptions::new().ttl(libs::TTL),
+            )
+            .expect("options");
+            let stall = Duration::from_secs(5);
             for (shape, tasks) in [("W1", 1usize), ("W2", 64)] {
-                let mut v = Vec::new();
-                for _ in 0..plan.repeats {
-                    v.extend(
-                        workloads::w4_rslock(&urls, tasks, plan.dur, Duration::from_secs(5)).await,
-                    );
+                let (mut explicit, mut dropped, mut rs) = (Vec::new(), Vec::new(), Vec::new());
+                let mut lat = (Vec::new(), Vec::new());
+                for r in 0..plan.repeats {
+                    for k in 0..3 {
+                        match (k + r) % 3 {
+                            0 => {
+                                let (c, p50, p99) =
+                                    workloads::w4_redlease(&locks, tasks, plan.dur, stall, false)
+                                        .await
+                                        .expect("redlease W4 stalled");
+                                explicit.push(c);
+                                lat.0.push(p50.as_secs_f64() * 1e3);
+                                lat.1.push(p99.as_secs_f64() * 1e3);
+                            }
+                            1 => dropped.extend(
+                                workloads::w4_redlease(&locks, tasks, plan.dur, stall, true)
+                                    .await
+                                    .map(|(c, _, _)| c),
+                            ),
+                            _ => {
+                                rs.extend(workloads::w4_rslock(&urls, tasks, plan.dur, stall).await)
+                            }
+                        }
+                    }
                 }
+                let rsm = spread(&rs).0.max(1e-9);
+                writeln!(
+                    md,
+                    "| {n} | {shape} | {} | {} | {} | {:.2}× | {:.2}× | {:.2} / {:.2} ms |",
+                    fmt_spread(&explicit, ""),
+                    fmt_spread(&dropped, ""),
+                    fmt_spread(&rs, ""),
+                    spread(&explicit).0 / rsm,
+                    spread(&dropped).0 / rsm,
+                    spread(&lat.0).0,
+                    spread(&lat.1).0,
+                )
+                .unwrap();
+
                 nodes[0].pause();
-                let paused =
-                    workloads::w4_rslock(&urls, tasks, plan.dur, Duration::from_secs(5)).await;
+                let ours = workloads::w4_redlease(&locks, tasks, plan.dur, stall, false).await;
+                let theirs = workloads::w4_rslock(&urls, tasks, plan.dur, stall).await;
                 nodes[0].resume();
-                let paused = paused.map_or("stalled: a cycle took > 5 s".to_owned(), |c| {
-                    format!("{c:.0}")
+                let ours =
+                    ours.map_or("stalled: a cycle took > 5 s".to_owned(), |(c, p50, p99)| {
+                        format!(
+                            "{c:.0} cycles/s, acquire p50 {} p99 {}",
+                            stats::ms(p50),
+                            stats::ms(p99)
+                        )
+                    });
+                let theirs = theirs.map_or("stalled: a cycle took > 5 s".to_owned(), |c| {
+                    format!("{c:.0} cycles/s")
                 });
-                writeln!(md, "| {n} | {shape} | {} | {paused} |", fmt_spread(&v, "")).unwrap();
+                paused_rows.push(format!("| {n} | {shape} | {ours} | {theirs} |"));
             }
         }
-        writeln!(md).unwrap();
+        writeln!(md, "\nWith the first node paused (SIGSTOP) for the whole run:\n\n| nodes | shape | redlease explicit | rslock |\n|---|---|---|---|\n{}\n", paused_rows.join("\n")).unwrap();
     }
 
     // W5: many leases held at once under the watchdog: at the default TTL (the target), and
@@ -341,4 +405,22 @@ async fn main() {
     }
     std::fs::write(&plan.out, &md).expect("write results");
     eprintln!("wrote {}", plan.out.display());
+}
+
+/// Waits until every node has been up for `d` (the restart guard's condition), saying so.
+fn wait_for_uptime(nodes: &[RedisServer], d: Duration) {
+    let up = |n: &RedisServer| {
+        n.info_field("server", "uptime_in_seconds")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let need = d.as_secs() + 1;
+    let least = nodes.iter().map(up).min().unwrap_or(need);
+    if least < need {
+        eprintln!(
+            "W4: waiting {}s for the nodes to have been up for one TTL",
+            need - least
+        );
+        std::thread::sleep(Duration::from_secs(need - least));
+    }
 }

@@ -288,3 +288,75 @@ pub async fn w4_rslock(
     }
     Some(done.load(Ordering::Relaxed) as f64 / began.elapsed().as_secs_f64())
 }
+
+/// W4 for redlease's Redlock over `urls`, one manager shared by `shape_tasks` tasks, like
+/// rslock's one `LockManager`. `drop_release`: release by dropping the guard. Returns
+/// cycles/s and acquire latency p50/p99; `None` if a cycle stalled past `stall`.
+pub async fn w4_redlease(
+    locks: &redlease::LockManager,
+    shape_tasks: usize,
+    dur: Duration,
+    stall: Duration,
+    drop_release: bool,
+) -> Option<(f64, Duration, Duration)> {
+    let done = Arc::new(AtomicU64::new(0));
+    let stalled = Arc::new(AtomicBool::new(false));
+    let latencies = Arc::new(Mutex::new(Vec::new()));
+    let began = Instant::now();
+    let tasks: Vec<_> = (0..shape_tasks)
+        .map(|t| {
+            let (locks, done, stalled, latencies) = (
+                locks.clone(),
+                done.clone(),
+                stalled.clone(),
+                latencies.clone(),
+            );
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                let mut mine = Vec::new();
+                while began.elapsed() < dur && !stalled.load(Ordering::Relaxed) {
+                    let key = format!("w4:{t}:{}", n % 64);
+                    let cycle = async {
+                        let t0 = Instant::now();
+                        let g = locks
+                            .lock(&key)
+                            .try_acquire()
+                            .await
+                            .expect("redlock acquire")
+                            .expect("free key");
+                        let took = t0.elapsed();
+                        if drop_release {
+                            drop(g);
+                        } else {
+                            g.release().await.expect("redlock release");
+                        }
+                        took
+                    };
+                    match tokio::time::timeout(stall, cycle).await {
+                        Ok(took) => mine.push(took),
+                        Err(_) => {
+                            stalled.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                    }
+                    n += 1;
+                }
+                done.fetch_add(n, Ordering::Relaxed);
+                latencies.lock().expect("latencies").extend(mine);
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("w4 task");
+    }
+    if stalled.load(Ordering::Relaxed) {
+        return None;
+    }
+    let mut lat = std::mem::take(&mut *latencies.lock().expect("latencies"));
+    let rate = done.load(Ordering::Relaxed) as f64 / began.elapsed().as_secs_f64();
+    Some((
+        rate,
+        stats::quantile(&mut lat, 0.50),
+        stats::quantile(&mut lat, 0.99),
+    ))
+}
