@@ -85,6 +85,7 @@
 
 mod backend;
 mod error;
+mod fair;
 mod guard;
 mod lock;
 mod options;
@@ -94,7 +95,9 @@ mod watchdog;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
-pub use backend::{clock_drift, Acquire, Backend, Lease, Released, Subscription, Waiting};
+pub use backend::{
+    clock_drift, Acquire, Backend, FairAttempt, Lease, Released, Subscription, Waiting,
+};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
 pub use event_listener;

@@ -66,7 +66,15 @@ struct Names {
 }
 
 /// The derived names made with every key, in order: see [`Part`].
-const PARTS: [&str; 4] = ["fence", "waiters", "abandoned", "released"];
+const PARTS: [&str; 7] = [
+    "fence",
+    "waiters",
+    "abandoned",
+    "released",
+    "queue",
+    "timeouts",
+    "handoff",
+];
 
 /// A derived name of a lock (the Redis layout's keys and channel beside the lease).
 #[derive(Clone, Copy, Debug)]
@@ -75,6 +83,12 @@ pub(crate) enum Part {
     Waiters = 1,
     Abandoned = 2,
     Released = 3,
+    /// Fair locks: the list of waiting tokens, in arrival order.
+    Queue = 4,
+    /// Fair locks: the sorted set of waiting tokens by deadline (server time, ms).
+    Timeouts = 5,
+    /// Fair locks: the channel a release publishes the new queue head's token on.
+    Handoff = 6,
 }
 
 impl LeaseKey {
@@ -93,7 +107,7 @@ impl LeaseKey {
             }
         }
         key.push('}');
-        let mut all = String::with_capacity(key.len() * 5 + 40);
+        let mut all = String::with_capacity(key.len() * (1 + PARTS.len()) + 64);
         all.push_str(&key);
         let mut ends = [all.len(); 1 + PARTS.len()];
         for (i, part) in PARTS.iter().enumerate() {
@@ -161,6 +175,9 @@ mod tests {
             (Part::Waiters, "waiters"),
             (Part::Abandoned, "abandoned"),
             (Part::Released, "released"),
+            (Part::Queue, "queue"),
+            (Part::Timeouts, "timeouts"),
+            (Part::Handoff, "handoff"),
         ] {
             assert_eq!(k.part(part), k.derived(suffix));
         }
