@@ -184,7 +184,8 @@ impl Lock {
     /// Waits until the lock is ours (or the options' `wait_timeout` passes).
     ///
     /// Waiters are woken by the holder's release (pub/sub on Redis), with a bounded fallback
-    /// re-check; see [`RetryPolicy`](crate::RetryPolicy).
+    /// re-check; see [`RetryPolicy`](crate::RetryPolicy). A [fair](LockOptions::fair) lock
+    /// serves waiters in arrival order.
     ///
     /// # Errors
     ///
