@@ -235,7 +235,9 @@ impl Lock {
     async fn run(&self, wait: Option<Option<Duration>>) -> Result<Option<LockGuard>> {
         self.check()?;
         if self.options.fair {
-            return crate::fair::run(self, wait).await;
+            // Boxed: inline, its state would add to every acquire future's size, plain ones
+            // included (a caller's block_on runs them on its own thread's stack).
+            return Box::pin(crate::fair::run(self, wait)).await;
         }
         let opts = &self.options;
         let began = Instant::now();

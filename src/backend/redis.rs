@@ -260,11 +260,16 @@ impl RedisBackend {
         };
         // Loaded up front so that the first call of each is one EVALSHA, not a NOSCRIPT
         // round trip plus a reload; a restarted server is reloaded on demand by the calls.
-        in_tokio(futures::future::try_join4(
-            scripts.acquire.load(&client),
-            scripts.extend.load(&client),
-            scripts.release.load(&client),
-            scripts.fair_acquire.load(&client),
+        // try_join_all keeps the loads on the heap: fred's futures are large, and this one
+        // is part of every caller's connect future.
+        let all = [
+            &scripts.acquire,
+            &scripts.extend,
+            &scripts.release,
+            &scripts.fair_acquire,
+        ];
+        in_tokio(futures::future::try_join_all(
+            all.into_iter().map(|s| s.load(&client)),
         ))
         .await
         .map_err(Error::backend)?;
