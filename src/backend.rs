@@ -203,6 +203,24 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// not by hand-offs to other waiters.
     ///
     /// The default refuses: fair locks are not supported by this backend.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Backend, FairAttempt, LeaseKey, MemoryBackend, Token};
+    /// # futures::executor::block_on(async {
+    /// let b = MemoryBackend::new();
+    /// let key = LeaseKey::new("t:", "fifo");
+    /// let (holder, waiter) = (Token::random(), Token::random());
+    /// let ttl = Duration::from_secs(5);
+    /// b.fair_acquire(&key, &holder, ttl, FairAttempt::Once).await?;
+    /// let queued = FairAttempt::Queued { expire: Duration::from_secs(2) };
+    /// b.fair_acquire(&key, &waiter, ttl, queued).await?;
+    /// let sub = b.fair_subscribe(&key, &waiter).await?;
+    /// let handed = sub.listen();          // armed before the release
+    /// b.release(&key, &holder).await?;
+    /// handed.await;                        // woken: the lock is the waiter's to take
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
     async fn fair_subscribe(&self, key: &LeaseKey, token: &Token) -> Result<Subscription> {
         let _ = (key, token);
         Err(fair_unsupported::<Self>())

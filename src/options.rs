@@ -152,6 +152,10 @@ impl LockOptions {
     }
 
     /// Whether these options make a fair (FIFO) lock; see [`fair`](Self::fair).
+    ///
+    /// ```
+    /// assert!(!redlease::LockOptions::new().is_fair());
+    /// ```
     pub fn is_fair(&self) -> bool {
         self.fair
     }
