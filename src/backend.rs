@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use event_listener::{Event, EventListener};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::token::{LeaseKey, Token};
 
 pub(crate) mod memory;
@@ -188,6 +188,10 @@ pub struct Lease<'a> {
 ///   in-flight commands after a reconnect), so besides deleting, it must make sure such a
 ///   copy can no longer take the lease. Redis keeps a tombstone of the token for 5 minutes.
 /// - `subscribe` returns once a release of the key will wake the subscription.
+/// - Fair (FIFO) locks, optional: [`fair_acquire`](Backend::fair_acquire) and
+///   [`fair_subscribe`](Backend::fair_subscribe). A backend that has them also makes
+///   `release` wake the head of the key's queue and `abandon` take the token out of the
+///   queue. The defaults refuse with [`Error::InvalidConfig`].
 ///
 /// ```
 /// use redlease::{Backend, MemoryBackend, LeaseKey, Token, Acquire};
@@ -225,7 +229,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool>;
 
     /// Releases an attempt whose outcome is unknown, and bars `token` from ever being granted
-    /// later (see the contract above). `true` if a lease was deleted.
+    /// later (see the contract above). `true` if a lease was deleted. On a backend with fair
+    /// locks it also takes `token` out of the key's queue (a waiter that gave up), waking
+    /// the next waiter if `token` was at the head of a free lock's queue.
     async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool>;
 
     /// A wake-up source for releases of `key`.
@@ -266,6 +272,119 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         let _ = (key, at_least);
         Err(unsupported(&self, "be a Redlock node (raise_fence)"))
     }
+
+    /// One atomic attempt on the fair (FIFO) queue of `key`; see [`FairAttempt`].
+    ///
+    /// The lease is the same as [`try_acquire`](Backend::try_acquire)'s (fair and plain
+    /// acquirers of one key exclude each other), granted only when the key is free and
+    /// either nobody is queued or `token` is at the head of the queue. Waiters whose
+    /// deadline passed are evicted first, by the store's clock. `Held::remaining` says how
+    /// long until a re-check is worth it: the holder's TTL, or, when the key is free and
+    /// another waiter is at the head, how long that waiter has left to take it.
+    /// Idempotent for the same token, like every operation.
+    ///
+    /// The default refuses: fair locks are not supported by this backend.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Acquire, Backend, FairAttempt, LeaseKey, MemoryBackend, Token};
+    /// # futures::executor::block_on(async {
+    /// let b = MemoryBackend::new();
+    /// let key = LeaseKey::new("t:", "fifo");
+    /// let (holder, first, second) = (Token::random(), Token::random(), Token::random());
+    /// let ttl = Duration::from_secs(5);
+    /// let queued = FairAttempt::Queued { expire: Duration::from_secs(2) };
+    /// assert!(matches!(b.fair_acquire(&key, &holder, ttl, FairAttempt::Once).await?, Acquire::Acquired { .. }));
+    /// assert!(matches!(b.fair_acquire(&key, &first, ttl, queued).await?, Acquire::Held { .. }));
+    /// assert!(matches!(b.fair_acquire(&key, &second, ttl, queued).await?, Acquire::Held { .. }));
+    /// b.release(&key, &holder).await?;
+    /// // Free now, but `first` arrived first: `second` (and a single attempt) must wait.
+    /// assert!(matches!(b.fair_acquire(&key, &second, ttl, queued).await?, Acquire::Held { .. }));
+    /// assert!(matches!(b.fair_acquire(&key, &Token::random(), ttl, FairAttempt::Once).await?, Acquire::Held { .. }));
+    /// assert!(matches!(b.fair_acquire(&key, &first, ttl, queued).await?, Acquire::Acquired { .. }));
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    async fn fair_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        attempt: FairAttempt,
+    ) -> Result<Acquire> {
+        let _ = (key, token, ttl, attempt);
+        Err(fair_unsupported::<Self>())
+    }
+
+    /// A wake-up source for the fair waiter `token` of `key`: it is woken when the lock is
+    /// handed to it (the key was released while `token` was at the head of the queue), and
+    /// not by hand-offs to other waiters.
+    ///
+    /// The default refuses: fair locks are not supported by this backend.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Backend, FairAttempt, LeaseKey, MemoryBackend, Token};
+    /// # futures::executor::block_on(async {
+    /// let b = MemoryBackend::new();
+    /// let key = LeaseKey::new("t:", "fifo");
+    /// let (holder, waiter) = (Token::random(), Token::random());
+    /// let ttl = Duration::from_secs(5);
+    /// b.fair_acquire(&key, &holder, ttl, FairAttempt::Once).await?;
+    /// let queued = FairAttempt::Queued { expire: Duration::from_secs(2) };
+    /// b.fair_acquire(&key, &waiter, ttl, queued).await?;
+    /// let sub = b.fair_subscribe(&key, &waiter).await?;
+    /// let handed = sub.listen();          // armed before the release
+    /// b.release(&key, &holder).await?;
+    /// handed.await;                        // woken: the lock is the waiter's to take
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    async fn fair_subscribe(&self, key: &LeaseKey, token: &Token) -> Result<Subscription> {
+        let _ = (key, token);
+        Err(fair_unsupported::<Self>())
+    }
+}
+
+/// What a [`Backend::fair_acquire`] attempt is part of.
+///
+/// ```
+/// use std::time::Duration;
+/// let a = redlease::FairAttempt::Queued { expire: Duration::from_secs(2) };
+/// assert_eq!(a.expire(), Some(Duration::from_secs(2)));
+/// assert_eq!(redlease::FairAttempt::Once.expire(), None);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FairAttempt {
+    /// A single attempt ([`Lock::try_acquire`](crate::Lock::try_acquire)): take the lock
+    /// only if it is free and nobody is queued; never join the queue.
+    Once,
+    /// A waiter: join the queue at the tail (or stay where it is), with a deadline `expire`
+    /// from now by the store's clock, and take the lock if it is free and this token is at
+    /// the head. A waiter that does not come back before its deadline is evicted, so a
+    /// crashed waiter holds up the queue for at most `expire`.
+    Queued {
+        /// How long the store keeps the waiter without hearing from it again.
+        expire: Duration,
+    },
+}
+
+impl FairAttempt {
+    /// The waiter's deadline, for attempts that queue.
+    pub fn expire(self) -> Option<Duration> {
+        match self {
+            FairAttempt::Once => None,
+            FairAttempt::Queued { expire } => Some(expire),
+        }
+    }
+}
+
+/// The refusal of a backend without fair locks (the trait's default methods).
+fn fair_unsupported<B: ?Sized>() -> Error {
+    Error::InvalidConfig(format!(
+        "fair locks are not supported by this backend ({}): use RedisBackend or \
+         MemoryBackend, or turn `fair` off",
+        std::any::type_name::<B>()
+    ))
 }
 
 /// The clock-drift margin taken off a lease's TTL: 1 % plus 2 ms (the Redlock paper's

@@ -63,6 +63,12 @@
 //! too. Background work shared by all users of a manager or backend (the watchdog, pub/sub
 //! handlers) runs on that private runtime, so it never stops with the runtime that started it.
 //!
+//! # Fair locks
+//!
+//! [`LockOptions::fair`] (or [`Lock::fair`]) queues waiters on the store and serves them in
+//! arrival order, across processes: a release wakes only the head of the queue, a crashed
+//! waiter is evicted after a short deadline, and one that gives up leaves at once.
+//!
 //! # Drop and cancellation
 //!
 //! Dropping a [`LockGuard`] schedules its release on the runtime it was acquired on and
@@ -86,6 +92,7 @@
 
 mod backend;
 mod error;
+mod fair;
 mod guard;
 mod lock;
 mod options;
@@ -98,7 +105,7 @@ pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::redlock::{Redlock, RedlockOptions};
 pub use backend::{
-    clock_drift, Acquire, Backend, Lease, NodeTerms, Released, Subscription, Waiting,
+    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, Released, Subscription, Waiting,
 };
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.

@@ -163,10 +163,29 @@ impl Lock {
         &self.options
     }
 
+    /// The same lock, served in arrival order: shorthand for
+    /// `options.fair(true)` (see [`LockOptions::fair`]).
+    ///
+    /// ```
+    /// use redlease::{LockManager, MemoryBackend};
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::new(MemoryBackend::new());
+    /// let lock = locks.lock("queue:emails").fair();
+    /// let held = lock.acquire().await?;
+    /// assert!(lock.try_acquire().await?.is_none());
+    /// held.release().await?;
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub fn fair(mut self) -> Lock {
+        self.options.fair = true;
+        self
+    }
+
     /// Waits until the lock is ours (or the options' `wait_timeout` passes).
     ///
     /// Waiters are woken by the holder's release (pub/sub on Redis), with a bounded fallback
-    /// re-check; see [`RetryPolicy`](crate::RetryPolicy).
+    /// re-check; see [`RetryPolicy`](crate::RetryPolicy). A [fair](LockOptions::fair) lock
+    /// serves waiters in arrival order.
     ///
     /// # Errors
     ///
@@ -215,6 +234,11 @@ impl Lock {
     /// The acquire loop. `wait`: `None` = one attempt; `Some(limit)` = wait, up to `limit`.
     async fn run(&self, wait: Option<Option<Duration>>) -> Result<Option<LockGuard>> {
         self.check()?;
+        if self.options.fair {
+            // Boxed: inline, its state would add to every acquire future's size, plain ones
+            // included (a caller's block_on runs them on its own thread's stack).
+            return Box::pin(crate::fair::run(self, wait)).await;
+        }
         let opts = &self.options;
         let began = Instant::now();
         // A limit too far to represent (Duration::MAX) means no limit.
@@ -311,6 +335,6 @@ impl Lock {
 }
 
 /// `d` scaled by a random factor in `[low, 1]`, so waiters do not retry in lockstep.
-fn jitter(d: Duration, low: f64) -> Duration {
+pub(crate) fn jitter(d: Duration, low: f64) -> Duration {
     d.mul_f64(rand::random_range(low..=1.0))
 }

@@ -51,6 +51,7 @@ pub struct LockOptions {
     pub(crate) wait_timeout: Option<Duration>,
     pub(crate) retry: RetryPolicy,
     pub(crate) key_prefix: Arc<str>,
+    pub(crate) fair: bool,
 }
 
 impl Default for LockOptions {
@@ -62,6 +63,7 @@ impl Default for LockOptions {
             wait_timeout: None,
             retry: RetryPolicy::default(),
             key_prefix: "redlease:".into(),
+            fair: false,
         }
     }
 }
@@ -113,6 +115,49 @@ impl LockOptions {
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into().into();
         self
+    }
+
+    /// Whether acquirers are served in arrival order (FIFO), across processes. Defaults to
+    /// `false`.
+    ///
+    /// A fair lock's waiters queue on the store; when the lock is released it is handed to
+    /// the longest-waiting live waiter, which is woken directly (no herd, no polling
+    /// delay). [`try_acquire`](crate::Lock::try_acquire) succeeds only when nobody is queued.
+    /// The guard, watchdog, drop release, fencing tokens and cancel safety are the plain
+    /// lock's; fair and plain acquirers of one name exclude each other (a plain acquirer
+    /// does not queue, so it may take a free lock before the queue's head).
+    ///
+    /// A waiter re-checks at least every [`RetryPolicy::max_delay`], which keeps it in the
+    /// queue; one that stops (a crashed process) is evicted by the store
+    /// `2 × max_delay + 100 ms` after it was last heard from. A waiter that gives up (timeout,
+    /// dropped future) leaves the queue at once.
+    ///
+    /// Needs a backend with fair locks ([`RedisBackend`](crate::RedisBackend),
+    /// [`MemoryBackend`](crate::MemoryBackend)); others make `acquire` fail with
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig).
+    ///
+    /// ```
+    /// use redlease::{LockManager, LockOptions, MemoryBackend};
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::with_options(MemoryBackend::new(), LockOptions::new().fair(true))?;
+    /// let lock = locks.lock("printer");
+    /// assert!(lock.options().is_fair());
+    /// let guard = lock.acquire().await?;
+    /// guard.release().await?;
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub fn fair(mut self, fair: bool) -> Self {
+        self.fair = fair;
+        self
+    }
+
+    /// Whether these options make a fair (FIFO) lock; see [`fair`](Self::fair).
+    ///
+    /// ```
+    /// assert!(!redlease::LockOptions::new().is_fair());
+    /// ```
+    pub fn is_fair(&self) -> bool {
+        self.fair
     }
 
     /// The configured TTL.

@@ -71,9 +71,9 @@ const PARTS: [&str; 7] = [
     "waiters",
     "abandoned",
     "released",
-    "value",
-    "filled",
-    "failed",
+    "queue",
+    "timeouts",
+    "handoff",
 ];
 
 /// A derived name of a lock (the Redis layout's keys and channel beside the lease).
@@ -83,12 +83,24 @@ pub(crate) enum Part {
     Waiters = 1,
     Abandoned = 2,
     Released = 3,
-    /// The cached value of a stampede-protected key (payload, compute time, grace).
-    Value = 4,
+    /// Fair locks: the list of waiting tokens, in arrival order.
+    Queue = 4,
+    /// Fair locks: the sorted set of waiting tokens by deadline (server time, ms).
+    Timeouts = 5,
+    /// Fair locks: the channel a release publishes the new queue head's token on.
+    Handoff = 6,
+}
+
+/// A name beside a cached key's compute lease (see the stampede module). Made when used, not
+/// stored with every key: most keys are plain locks, and each held lease keeps its key.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum CachePart {
+    /// The cached value (payload, compute time, grace).
+    Value,
     /// The channel a cache fill (or a failed compute) is published on.
-    Filled = 5,
-    /// Failed compute rounds of a cached key, by round, for waiters in other processes.
-    Failed = 6,
+    Filled,
+    /// Failed compute rounds, by round, for waiters in other processes.
+    Failed,
 }
 
 impl LeaseKey {
@@ -107,7 +119,7 @@ impl LeaseKey {
             }
         }
         key.push('}');
-        let mut all = String::with_capacity(key.len() * 8 + 60);
+        let mut all = String::with_capacity(key.len() * (1 + PARTS.len()) + 64);
         all.push_str(&key);
         let mut ends = [all.len(); 1 + PARTS.len()];
         for (i, part) in PARTS.iter().enumerate() {
@@ -133,6 +145,16 @@ impl LeaseKey {
     pub(crate) fn part(&self, part: Part) -> &str {
         let i = part as usize;
         &self.0.all[self.0.ends[i]..self.0.ends[i + 1]]
+    }
+
+    /// A cache name beside this key: `<key>:value`, `<key>:filled` or `<key>:failed`.
+    pub(crate) fn cache_part(&self, part: CachePart) -> String {
+        let suffix = match part {
+            CachePart::Value => "value",
+            CachePart::Filled => "filled",
+            CachePart::Failed => "failed",
+        };
+        format!("{}:{suffix}", self.as_str())
     }
 }
 
@@ -175,12 +197,15 @@ mod tests {
             (Part::Waiters, "waiters"),
             (Part::Abandoned, "abandoned"),
             (Part::Released, "released"),
-            (Part::Value, "value"),
-            (Part::Filled, "filled"),
-            (Part::Failed, "failed"),
+            (Part::Queue, "queue"),
+            (Part::Timeouts, "timeouts"),
+            (Part::Handoff, "handoff"),
         ] {
             assert_eq!(k.part(part), k.derived(suffix));
         }
         assert_eq!(k.as_str(), "p:{a%7Bb%7D}");
+        assert_eq!(k.cache_part(CachePart::Value), k.derived("value"));
+        assert_eq!(k.cache_part(CachePart::Filled), k.derived("filled"));
+        assert_eq!(k.cache_part(CachePart::Failed), k.derived("failed"));
     }
 }

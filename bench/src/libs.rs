@@ -19,6 +19,8 @@ pub enum Lib {
     Redlease,
     /// redlease, `drop(guard)`: the release runs in the background.
     RedleaseDrop,
+    /// redlease, a fair (FIFO) lock, explicit release (W3 only).
+    RedleaseFair,
     /// The floor: SET NX PX + a compare-and-delete script, sent by hand on fred.
     FredRaw,
     /// The floor on redis-rs' multiplexed connection.
@@ -32,6 +34,7 @@ impl Lib {
         match self {
             Lib::Redlease => "redlease (explicit release)",
             Lib::RedleaseDrop => "redlease (drop release)",
+            Lib::RedleaseFair => "redlease fair (explicit release)",
             Lib::FredRaw => "raw floor: fred SET NX PX + script",
             Lib::RedisRsRaw => "raw floor: redis-rs SET NX PX + script",
             Lib::Rslock => "rslock 0.10",
@@ -82,13 +85,14 @@ impl Clients {
     /// One acquire + release of `key`, not waiting (the key is expected to be free).
     pub async fn cycle(&self, lib: Lib, key: &str) {
         match lib {
-            Lib::Redlease => {
-                let g = self
-                    .redlease
-                    .lock(key)
-                    .try_acquire()
-                    .await
-                    .expect("acquire");
+            Lib::Redlease | Lib::RedleaseFair => {
+                let lock = self.redlease.lock(key);
+                let lock = if lib == Lib::RedleaseFair {
+                    lock.fair()
+                } else {
+                    lock
+                };
+                let g = lock.try_acquire().await.expect("acquire");
                 g.expect("free key").release().await.expect("release");
             }
             Lib::RedleaseDrop => {
@@ -156,6 +160,15 @@ impl Clients {
         match lib {
             Lib::Redlease | Lib::RedleaseDrop => Held::Redlease(
                 self.redlease.lock(key).acquire().await.expect("acquire"),
+                lib,
+            ),
+            Lib::RedleaseFair => Held::Redlease(
+                self.redlease
+                    .lock(key)
+                    .fair()
+                    .acquire()
+                    .await
+                    .expect("acquire"),
                 lib,
             ),
             Lib::Rslock => Held::Rslock(

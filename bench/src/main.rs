@@ -226,11 +226,12 @@ async fn main() {
     // W3: one key, 16 tasks in 4 client groups (as 4 processes), hold 1 ms.
     if plan.runs("W3") {
         eprintln!("W3");
-        let contenders = [Lib::Redlease, Lib::Rslock];
-        let mut w3: Vec<Vec<workloads::Contended>> = vec![Vec::new(), Vec::new()];
+        let contenders = [Lib::Redlease, Lib::RedleaseFair, Lib::Rslock];
+        let n = contenders.len();
+        let mut w3: Vec<Vec<workloads::Contended>> = (0..n).map(|_| Vec::new()).collect();
         for r in 0..plan.repeats {
-            for k in 0..2 {
-                let i = (k + r) % 2;
+            for k in 0..n {
+                let i = (k + r) % n;
                 w3[i].push(
                     workloads::w3(&groups, contenders[i], &node, plan.w3_quota, plan.w3_cap).await,
                 );
@@ -241,8 +242,9 @@ async fn main() {
             "## W3: 16 tasks, one key, hold 1 ms (4 clients × 4 tasks)\n"
         )
         .unwrap();
-        writeln!(md, "| library | acq/s | hand-off gap p50 / p99 | wait p50 / p99 / max | fairness max/min at first finish | same-task re-acquire | Redis CPU per acq | violations |\n|---|---|---|---|---|---|---|---|").unwrap();
+        writeln!(md, "| library | acq/s | hand-off gap p50 / p99 | wait p50 / p99 / max | hold p50 | fairness max/min at first finish | same-task re-acquire | Redis CPU per acq | violations |\n|---|---|---|---|---|---|---|---|---|").unwrap();
         let mut p99s = Vec::new();
+        let mut tputs = Vec::new();
         for (i, lib) in contenders.iter().enumerate() {
             // The median repeat by wait p99.
             let mut runs: Vec<&workloads::Contended> = w3[i].iter().collect();
@@ -250,6 +252,7 @@ async fn main() {
             let c = runs[runs.len() / 2];
             p99s.push(c.wait_p99);
             let tput: Vec<f64> = w3[i].iter().map(|c| c.throughput).collect();
+            tputs.push(spread(&tput).0);
             let (max, min) = c.fairness;
             let fair = if min == 0 {
                 format!("{max}/0 (a task starved)")
@@ -258,7 +261,7 @@ async fn main() {
             };
             writeln!(
                 md,
-                "| {} | {} | {} / {} | {} / {} / {} | {} | {:.1} % | {:.0} µs | {} |",
+                "| {} | {} | {} / {} | {} / {} / {} | {} | {} | {:.1} % | {:.0} µs | {} |",
                 lib.name(),
                 fmt_spread(&tput, ""),
                 ms(c.gap_p50),
@@ -266,6 +269,7 @@ async fn main() {
                 ms(c.wait_p50),
                 ms(c.wait_p99),
                 ms(c.wait_max),
+                ms(c.hold_p50),
                 fair,
                 c.same_task_share * 100.0,
                 c.redis_cpu_us_per_acq,
@@ -275,8 +279,11 @@ async fn main() {
         }
         writeln!(
             md,
-            "\nwait p99: rslock / redlease = {:.1}×\n",
-            p99s[1].as_secs_f64() / p99s[0].as_secs_f64().max(1e-9)
+            "\nwait p99: rslock / redlease = {:.1}×, rslock / redlease fair = {:.1}×; \
+             throughput fair / plain = {:.2}\n",
+            p99s[2].as_secs_f64() / p99s[0].as_secs_f64().max(1e-9),
+            p99s[2].as_secs_f64() / p99s[1].as_secs_f64().max(1e-9),
+            tputs[1] / tputs[0].max(1e-9)
         )
         .unwrap();
     }

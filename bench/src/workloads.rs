@@ -52,6 +52,9 @@ pub struct Contended {
     pub wait_p50: Duration,
     pub wait_p99: Duration,
     pub wait_max: Duration,
+    /// How long the "1 ms" hold really took (timer granularity and scheduling): with strict
+    /// FIFO every waiter waits for the 15 others' holds and hand-offs.
+    pub hold_p50: Duration,
     /// max/min acquisitions per task when the first task reached its quota.
     pub fairness: (u64, u64),
     pub same_task_share: f64,
@@ -78,6 +81,7 @@ pub async fn w3(
     let last_release = Arc::new(Mutex::new(None::<Instant>));
     let waits = Arc::new(Mutex::new(Vec::new()));
     let gaps = Arc::new(Mutex::new(Vec::new()));
+    let holds = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let snapshot = Arc::new(Mutex::new(None::<(u64, u64)>));
     let cpu_before = redis_cpu(srv);
@@ -91,6 +95,7 @@ pub async fn w3(
                 (last_holder.clone(), same.clone(), last_release.clone());
             let (waits, gaps, stop, snapshot) =
                 (waits.clone(), gaps.clone(), stop.clone(), snapshot.clone());
+            let holds = holds.clone();
             tokio::spawn(async move {
                 let mut last_fence = 0;
                 while !stop.load(Ordering::Relaxed) && began.elapsed() < cap {
@@ -128,7 +133,9 @@ pub async fn w3(
                     let n = counts[me].fetch_add(1, Ordering::SeqCst) + 1;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     inside.fetch_sub(1, Ordering::SeqCst);
-                    *last_release.lock().unwrap() = Some(Instant::now());
+                    let released = Instant::now();
+                    holds.lock().unwrap().push(released - got);
+                    *last_release.lock().unwrap() = Some(released);
                     held.release().await;
                     if n >= quota {
                         let mut snap = snapshot.lock().unwrap();
@@ -151,6 +158,7 @@ pub async fn w3(
     let cpu = redis_cpu(srv) - cpu_before;
     let mut waits = std::mem::take(&mut *waits.lock().unwrap());
     let mut gaps = std::mem::take(&mut *gaps.lock().unwrap());
+    let mut holds = std::mem::take(&mut *holds.lock().unwrap());
     let fairness = snapshot.lock().unwrap().unwrap_or_else(|| {
         let all: Vec<u64> = counts.iter().map(|c| c.load(Ordering::SeqCst)).collect();
         (*all.iter().max().unwrap(), *all.iter().min().unwrap())
@@ -163,6 +171,7 @@ pub async fn w3(
         wait_p50: stats::quantile(&mut waits, 0.5),
         wait_p99: stats::quantile(&mut waits, 0.99),
         wait_max: stats::quantile(&mut waits, 1.0),
+        hold_p50: stats::quantile(&mut holds, 0.5),
         fairness,
         same_task_share: same.load(Ordering::Relaxed) as f64 / total.max(1) as f64,
         redis_cpu_us_per_acq: cpu * 1e6 / total.max(1) as f64,

@@ -1,13 +1,13 @@
 //! `MemoryBackend`: leases in this process, with the same semantics as Redis.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 
-use crate::backend::{Acquire, Backend, Lease, NodeTerms, Subscription, Waiting};
+use crate::backend::{Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting};
 use crate::error::Result;
 use crate::token::{LeaseKey, Token};
 
@@ -38,7 +38,38 @@ struct State {
     leases: HashMap<LeaseKey, (Token, Instant)>,
     fences: HashMap<LeaseKey, u64>,
     events: HashMap<LeaseKey, Weak<Event>>,
+    /// Fair locks: each key's waiters in arrival order, with their deadlines.
+    queues: HashMap<LeaseKey, Queue>,
+    /// Fair locks: each waiter's hand-off wake-up (tokens are unique, so one map).
+    targets: HashMap<Token, Weak<Event>>,
     ops: u64,
+}
+
+/// The fair queue of one key.
+#[derive(Debug, Default)]
+struct Queue {
+    order: VecDeque<Token>,
+    deadlines: HashMap<Token, Instant>,
+}
+
+impl Queue {
+    /// Drops the waiters whose deadline passed (they stopped coming back: crashed, or
+    /// stuck).
+    fn evict(&mut self, now: Instant) {
+        if self.deadlines.values().any(|d| *d <= now) {
+            self.deadlines.retain(|_, d| *d > now);
+            let live = &self.deadlines;
+            self.order.retain(|t| live.contains_key(t));
+        }
+    }
+
+    fn remove(&mut self, token: &Token) -> bool {
+        if self.deadlines.remove(token).is_some() {
+            self.order.retain(|t| t != token);
+            return true;
+        }
+        false
+    }
 }
 
 impl State {
@@ -48,6 +79,11 @@ impl State {
         if self.ops % 1024 == 0 {
             self.leases.retain(|_, (_, exp)| *exp > now);
             self.events.retain(|_, e| e.strong_count() > 0);
+            self.targets.retain(|_, e| e.strong_count() > 0);
+            self.queues.retain(|_, q| {
+                q.evict(now);
+                !q.order.is_empty()
+            });
         }
     }
 
@@ -59,6 +95,35 @@ impl State {
         // One release, one waiter (the longest waiting); see the Redis backend.
         if let Some(event) = self.events.get(key).and_then(Weak::upgrade) {
             event.notify(1.additional());
+        }
+    }
+
+    /// Hands a free key to its fair queue: wakes the head (after evicting dead waiters), and
+    /// only the head.
+    fn wake_head(&mut self, key: &LeaseKey, now: Instant) {
+        let Some(q) = self.queues.get_mut(key) else {
+            return;
+        };
+        q.evict(now);
+        if let Some(event) = q
+            .order
+            .front()
+            .and_then(|head| self.targets.get(head))
+            .and_then(Weak::upgrade)
+        {
+            event.notify(usize::MAX);
+        }
+    }
+
+    /// Grants `key` to `token`, minting the next fencing token.
+    fn grant(&mut self, key: &LeaseKey, token: &Token, ttl: Duration, now: Instant) -> Acquire {
+        let expires = now.checked_add(ttl).unwrap_or(now);
+        self.leases.insert(key.clone(), (token.clone(), expires));
+        let fence = self.fences.entry(key.clone()).or_insert(0);
+        *fence += 1;
+        Acquire::Acquired {
+            fencing_token: *fence,
+            validity: ttl,
         }
     }
 }
@@ -188,15 +253,26 @@ impl Backend for MemoryBackend {
         if st.holder(key, now).is_some_and(|(t, _)| t == token) {
             st.leases.remove(key);
             st.wake(key);
+            st.wake_head(key, now);
             return Ok(true);
         }
         Ok(false)
     }
 
     /// In-process attempts run to completion under one mutex: no late copy can exist, so
-    /// abandoning is releasing.
+    /// abandoning is releasing, plus leaving the fair queue.
     async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        self.release(key, token).await
+        let released = self.release(key, token).await?;
+        let now = Instant::now();
+        let mut st = self.state();
+        let Some(q) = st.queues.get_mut(key) else {
+            return Ok(released);
+        };
+        let was_head = q.order.front() == Some(token);
+        if q.remove(token) && was_head && st.holder(key, now).is_none() {
+            st.wake_head(key, now);
+        }
+        Ok(released)
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
@@ -211,4 +287,75 @@ impl Backend for MemoryBackend {
         };
         Ok(Subscription::new(event))
     }
+
+    async fn fair_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        attempt: FairAttempt,
+    ) -> Result<Acquire> {
+        let now = Instant::now();
+        let mut st = self.state();
+        st.sweep(now);
+        let holder = st.holder(key, now).map(|(t, exp)| (t == token, *exp - now));
+        if let Some((true, _)) = holder {
+            // Ours already (a repeated attempt): same as the plain path.
+            return self_replay(&mut st, key, ttl, now);
+        }
+        let q = st.queues.entry(key.clone()).or_default();
+        q.evict(now);
+        let at_head = q.order.front().is_none_or(|head| head == token);
+        if holder.is_none() && at_head {
+            q.remove(token);
+            if q.order.is_empty() {
+                st.queues.remove(key);
+            }
+            return Ok(st.grant(key, token, ttl, now));
+        }
+        if let FairAttempt::Queued { expire } = attempt {
+            if !q.deadlines.contains_key(token) {
+                q.order.push_back(token.clone());
+            }
+            q.deadlines
+                .insert(token.clone(), now.checked_add(expire).unwrap_or(now));
+        }
+        let remaining = match holder {
+            Some((_, pttl)) => Some(pttl),
+            None => {
+                // Free, and another waiter is at the head: wake it (its wake-up may have
+                // been missed), and come back by its deadline at the latest.
+                let head_left = q
+                    .order
+                    .front()
+                    .and_then(|h| q.deadlines.get(h))
+                    .map(|d| d.saturating_duration_since(now));
+                st.wake_head(key, now);
+                head_left
+            }
+        };
+        if st.queues.get(key).is_some_and(|q| q.order.is_empty()) {
+            st.queues.remove(key);
+        }
+        Ok(Acquire::Held { remaining })
+    }
+
+    async fn fair_subscribe(&self, _key: &LeaseKey, token: &Token) -> Result<Subscription> {
+        let event = Arc::new(Event::new());
+        self.state()
+            .targets
+            .insert(token.clone(), Arc::downgrade(&event));
+        Ok(Subscription::new(event))
+    }
+}
+
+/// A repeated attempt by the holder: extends, keeps the fencing token.
+fn self_replay(st: &mut State, key: &LeaseKey, ttl: Duration, now: Instant) -> Result<Acquire> {
+    if let Some((_, exp)) = st.leases.get_mut(key) {
+        *exp = now.checked_add(ttl).unwrap_or(*exp);
+    }
+    Ok(Acquire::Acquired {
+        fencing_token: st.fences.get(key).copied().unwrap_or(0),
+        validity: ttl,
+    })
 }

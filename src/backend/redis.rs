@@ -15,7 +15,9 @@ use fred::types::config::UnresponsiveConfig;
 use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
 
-use crate::backend::{clock_drift, Acquire, Backend, Lease, NodeTerms, Subscription, Waiting};
+use crate::backend::{
+    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting,
+};
 use crate::error::{Error, Result};
 use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
@@ -34,6 +36,15 @@ struct AcquireReq {
     terms: NodeTerms,
 }
 
+/// One fair acquire attempt, as queued.
+#[derive(Clone)]
+struct FairReq {
+    key: LeaseKey,
+    token: Token,
+    ttl: Duration,
+    attempt: FairAttempt,
+}
+
 /// One release (tombstone zero) or abandon (tombstone > 0), as queued.
 #[derive(Clone)]
 struct ReleaseReq {
@@ -48,6 +59,7 @@ struct ReleaseReq {
 #[derive(Clone)]
 enum Op {
     Acquire(AcquireReq),
+    Fair(FairReq),
     Release(ReleaseReq),
 }
 
@@ -179,6 +191,7 @@ struct Scripts {
     extend: Script,
     release: Script,
     fence: Script,
+    fair_acquire: Script,
 }
 
 impl fmt::Debug for RedisBackend {
@@ -311,16 +324,23 @@ impl RedisBackend {
             extend: Script::from_lua(include_str!("redis/extend.lua")),
             release: Script::from_lua(include_str!("redis/release.lua")),
             fence: Script::from_lua(include_str!("redis/fence.lua")),
+            fair_acquire: Script::from_lua(include_str!("redis/fair_acquire.lua")),
         };
         // Loaded up front so that the first call of each is one EVALSHA, not a NOSCRIPT
         // round trip plus a reload; a restarted server is reloaded on demand by the calls.
+        // try_join_all keeps the loads on the heap: fred's futures are large, and this one
+        // is part of every caller's connect future.
         if wait {
-            Box::pin(in_tokio(futures::future::try_join4(
-                scripts.acquire.load(&client),
-                scripts.extend.load(&client),
-                scripts.release.load(&client),
-                scripts.fence.load(&client),
-            )))
+            let all = [
+                &scripts.acquire,
+                &scripts.extend,
+                &scripts.release,
+                &scripts.fence,
+                &scripts.fair_acquire,
+            ];
+            in_tokio(futures::future::try_join_all(
+                all.into_iter().map(|s| s.load(&client)),
+            ))
             .await
             .map_err(Error::backend)?;
         }
@@ -370,6 +390,80 @@ impl RedisBackend {
         ]
     }
 
+    /// The keys of one release: the lease's, plus the fair queue's (a release hands a free
+    /// lock to the queue's head).
+    fn release_keys(key: &LeaseKey) -> [Key; 6] {
+        [
+            key.as_str().into(),
+            key.part(Part::Fence).into(),
+            key.part(Part::Waiters).into(),
+            key.part(Part::Abandoned).into(),
+            key.part(Part::Queue).into(),
+            key.part(Part::Timeouts).into(),
+        ]
+    }
+
+    /// Sends fair attempts as one script call; one reply per attempt, in order.
+    async fn fair_batch(self, reqs: Vec<FairReq>) -> Result<Vec<Acquire>> {
+        let mut keys: Vec<Key> = Vec::with_capacity(reqs.len() * 5);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
+        for r in &reqs {
+            keys.extend([
+                r.key.as_str().into(),
+                r.key.part(Part::Fence).into(),
+                r.key.part(Part::Abandoned).into(),
+                r.key.part(Part::Queue).into(),
+                r.key.part(Part::Timeouts).into(),
+            ]);
+            // At least 1 ms for a waiter: 0 means a single attempt.
+            let expire = r.attempt.expire().map_or(0, |e| ms(e).max(1));
+            args.extend([
+                r.token.as_str().into(),
+                ms(r.ttl).into(),
+                expire.into(),
+                r.key.part(Part::Handoff).into(),
+            ]);
+        }
+        let reply: Vec<i64> = self
+            .eval(&self.inner.scripts.fair_acquire, keys, args)
+            .await?;
+        Self::acquire_replies(&reqs, |r| r.ttl, reply)
+    }
+
+    /// Decodes the `{1, fence} | {0, ms}` pairs of the acquire scripts.
+    fn acquire_replies<R>(
+        reqs: &[R],
+        ttl: impl Fn(&R) -> Duration,
+        reply: Vec<i64>,
+    ) -> Result<Vec<Acquire>> {
+        if reply.len() != reqs.len() * 2 {
+            return Err(Error::backend(format!(
+                "acquire script returned {} values for {} attempts",
+                reply.len(),
+                reqs.len()
+            )));
+        }
+        let remaining = |pttl: i64| u64::try_from(pttl).ok().map(Duration::from_millis);
+        reqs.iter()
+            .zip(reply.chunks(2))
+            .map(|(r, pair)| match pair {
+                [1, fence] => Ok(Acquire::Acquired {
+                    fencing_token: u64::try_from(*fence).unwrap_or(0),
+                    validity: ttl(r).saturating_sub(clock_drift(ttl(r))),
+                }),
+                [0, pttl] => Ok(Acquire::Held {
+                    remaining: remaining(*pttl),
+                }),
+                [2, wait] => Ok(Acquire::Warming {
+                    remaining: remaining(*wait).unwrap_or_default(),
+                }),
+                other => Err(Error::backend(format!(
+                    "unexpected reply from the acquire script: {other:?}"
+                ))),
+            })
+            .collect()
+    }
+
     /// Sends acquire attempts as one script call; one reply per attempt, in order.
     async fn acquire_batch(self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
         let mut keys = Vec::with_capacity(reqs.len() * 4);
@@ -394,44 +488,20 @@ impl RedisBackend {
             ]);
         }
         let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
-        if reply.len() != reqs.len() * 2 {
-            return Err(Error::backend(format!(
-                "acquire script returned {} values for {} attempts",
-                reply.len(),
-                reqs.len()
-            )));
-        }
-        let remaining = |pttl: i64| u64::try_from(pttl).ok().map(Duration::from_millis);
-        reqs.iter()
-            .zip(reply.chunks(2))
-            .map(|(r, pair)| match pair {
-                [1, fence] => Ok(Acquire::Acquired {
-                    fencing_token: u64::try_from(*fence).unwrap_or(0),
-                    validity: r.ttl.saturating_sub(clock_drift(r.ttl)),
-                }),
-                [0, pttl] => Ok(Acquire::Held {
-                    remaining: remaining(*pttl),
-                }),
-                [2, wait] => Ok(Acquire::Warming {
-                    remaining: remaining(*wait).unwrap_or_default(),
-                }),
-                other => Err(Error::backend(format!(
-                    "unexpected reply from the acquire script: {other:?}"
-                ))),
-            })
-            .collect()
+        Self::acquire_replies(&reqs, |r| r.ttl, reply)
     }
 
     /// Sends releases and abandons as one script call; one reply per request, in order.
     async fn release_batch(self, reqs: Vec<ReleaseReq>) -> Result<Vec<bool>> {
-        let mut keys = Vec::with_capacity(reqs.len() * 4);
-        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 3);
+        let mut keys = Vec::with_capacity(reqs.len() * 6);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
         for r in &reqs {
-            keys.extend(Self::lease_keys(&r.key));
+            keys.extend(Self::release_keys(&r.key));
             args.extend([
                 r.token.as_str().into(),
                 r.key.part(Part::Released).into(),
                 ms(r.tombstone).into(),
+                r.key.part(Part::Handoff).into(),
             ]);
         }
         let reply: Vec<i64> = self.eval(&self.inner.scripts.release, keys, args).await?;
@@ -500,6 +570,14 @@ impl RedisBackend {
                         run.push(r);
                     }
                     let replies = self.clone().acquire_batch(run).await?;
+                    out.extend(replies.into_iter().map(Reply::Acquire));
+                }
+                Op::Fair(r) => {
+                    let mut run = vec![r];
+                    while let Some(Op::Fair(r)) = ops.next_if(|o| matches!(o, Op::Fair(_))) {
+                        run.push(r);
+                    }
+                    let replies = self.clone().fair_batch(run).await?;
                     out.extend(replies.into_iter().map(Reply::Acquire));
                 }
                 Op::Release(r) => {
@@ -648,7 +726,36 @@ impl Backend for RedisBackend {
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
         let channel = key.part(Part::Released).to_owned();
-        self.inner.pubsub.subscribe(channel, false).await
+        self.inner.pubsub.subscribe(channel, false, None).await
+    }
+
+    async fn fair_acquire(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        attempt: FairAttempt,
+    ) -> Result<Acquire> {
+        let req = FairReq {
+            key: key.clone(),
+            token: token.clone(),
+            ttl,
+            attempt,
+        };
+        match self.op(Op::Fair(req)).await? {
+            Reply::Acquire(outcome) => Ok(outcome),
+            Reply::Release(_) => Err(Error::backend("an acquire was answered as a release")),
+        }
+    }
+
+    /// One SUBSCRIBE per key's hand-off channel and process, shared by the local waiters;
+    /// a message (the new head's token) wakes only the waiter it names.
+    async fn fair_subscribe(&self, key: &LeaseKey, token: &Token) -> Result<Subscription> {
+        let channel = key.part(Part::Handoff).to_owned();
+        self.inner
+            .pubsub
+            .subscribe(channel, false, Some(token.as_str().to_owned()))
+            .await
     }
 }
 
@@ -656,7 +763,7 @@ impl RedisBackend {
     /// A subscription to `channel` that every message wakes in full (all local listeners),
     /// on the shared pub/sub connection: for the stampede cache's `:filled` channel.
     pub(crate) async fn subscribe_broadcast(&self, channel: String) -> Result<Subscription> {
-        self.inner.pubsub.subscribe(channel, true).await
+        self.inner.pubsub.subscribe(channel, true, None).await
     }
 }
 
@@ -675,6 +782,8 @@ struct Channel {
     subscribers: usize,
     /// A message wakes every local listener (cache fills), not just one (releases).
     broadcast: bool,
+    /// Fair waiters on a hand-off channel, by token: a message wakes only the one it names.
+    targets: HashMap<String, Arc<Event>>,
 }
 
 fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<String, Channel>> {
@@ -694,8 +803,14 @@ impl PubSub {
                 // One release, one local waiter (the longest waiting): waking them all would
                 // send every waiter's attempt to Redis for one lease.
                 if let Some(c) = lock_map(&on_message).get(&*msg.channel) {
-                    let woken = if c.broadcast { usize::MAX } else { 1 };
-                    c.event.notify(woken.additional());
+                    let target = msg.value.as_str().and_then(|t| c.targets.get(&*t).cloned());
+                    match target {
+                        // A hand-off: only the waiter it names acts on it.
+                        Some(waiter) => waiter.notify(usize::MAX),
+                        // A cache fill wakes every local listener; a release, one.
+                        None if c.broadcast => c.event.notify(usize::MAX),
+                        None => c.event.notify(1.additional()),
+                    };
                 }
                 futures::future::ready(Ok(()))
             }));
@@ -704,6 +819,9 @@ impl PubSub {
             drop(client.on_reconnect(move |_| {
                 for c in lock_map(&channels).values() {
                     c.event.notify(usize::MAX);
+                    for waiter in c.targets.values() {
+                        waiter.notify(usize::MAX);
+                    }
                 }
                 futures::future::ready(Ok(()))
             }));
@@ -716,7 +834,15 @@ impl PubSub {
         }
     }
 
-    async fn subscribe(self: &Arc<Self>, channel: String, broadcast: bool) -> Result<Subscription> {
+    /// Subscribes to `channel`. `broadcast`: every message wakes every local listener (cache
+    /// fills); otherwise one (releases). With a `target`, the subscription is woken only by
+    /// messages that carry that token (fair hand-offs).
+    async fn subscribe(
+        self: &Arc<Self>,
+        channel: String,
+        broadcast: bool,
+        target: Option<String>,
+    ) -> Result<Subscription> {
         let mut started = self.ops.lock().await;
         if !*started {
             self.start().await?;
@@ -728,15 +854,25 @@ impl PubSub {
                 event: Arc::new(Event::new()),
                 subscribers: 0,
                 broadcast,
+                targets: HashMap::new(),
             });
             c.subscribers += 1;
-            (c.event.clone(), c.subscribers == 1)
+            let event = match &target {
+                Some(token) => {
+                    let own = Arc::new(Event::new());
+                    c.targets.insert(token.clone(), own.clone());
+                    own
+                }
+                None => c.event.clone(),
+            };
+            (event, c.subscribers == 1)
         };
         // Made before the SUBSCRIBE is awaited: if this future is dropped or the command
         // fails, the guard still takes the count back down.
         let guard = Unsubscribe {
             pubsub: self.clone(),
             channel,
+            target,
         };
         if first {
             in_tokio(self.client.subscribe(guard.channel.clone()))
@@ -751,6 +887,7 @@ impl PubSub {
 struct Unsubscribe {
     pubsub: Arc<PubSub>,
     channel: String,
+    target: Option<String>,
 }
 
 impl Drop for Unsubscribe {
@@ -758,6 +895,9 @@ impl Drop for Unsubscribe {
         let last = {
             let mut map = lock_map(&self.pubsub.channels);
             let count = map.get_mut(&self.channel).map(|c| {
+                if let Some(token) = &self.target {
+                    c.targets.remove(token);
+                }
                 c.subscribers -= 1;
                 c.subscribers
             });

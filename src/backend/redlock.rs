@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use crate::backend::redis::{RedisBackend, RedisOptions};
-use crate::backend::{Acquire, Backend, Lease, NodeTerms, Subscription, Waiting};
+use crate::backend::{Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting};
 use crate::error::{Error, Result};
 use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
 use crate::runtime;
@@ -727,6 +727,20 @@ impl Backend for Redlock {
 
     async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
         self.release_all(key, token, true).await
+    }
+
+    /// Refused: a FIFO queue over independent nodes would need its own quorum protocol.
+    async fn fair_acquire(
+        &self,
+        _key: &LeaseKey,
+        _token: &Token,
+        _ttl: Duration,
+        _attempt: FairAttempt,
+    ) -> Result<Acquire> {
+        Err(Error::invalid(
+            "fair locks are not supported over Redlock yet: turn `fair` off for this lock, \
+             or use a single RedisBackend",
+        ))
     }
 
     /// Wakes on a release seen by any node. Nodes that do not answer within the node timeout

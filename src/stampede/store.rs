@@ -15,7 +15,7 @@ use fred::types::{Key, Value};
 use crate::backend::{Backend, Subscription};
 use crate::error::{Error, Result};
 use crate::runtime::in_tokio;
-use crate::token::{LeaseKey, Part, Token};
+use crate::token::{CachePart, LeaseKey, Part, Token};
 use crate::{MemoryBackend, RedisBackend};
 
 /// A value as read, with what the caller decides on.
@@ -135,10 +135,10 @@ impl Store for RedisStore {
 
     async fn read(&self, key: &LeaseKey, awaited: Option<u64>) -> Result<Read> {
         let keys = vec![
-            key.part(Part::Value).into(),
+            key.cache_part(CachePart::Value).into(),
             key.as_str().into(),
             key.part(Part::Fence).into(),
-            key.part(Part::Failed).into(),
+            key.cache_part(CachePart::Failed).into(),
         ];
         let args = vec![awaited.unwrap_or(0).to_string().into()];
         let reply = self.eval(&self.read, keys, args).await?;
@@ -170,7 +170,7 @@ impl Store for RedisStore {
     }
 
     async fn fill(&self, key: &LeaseKey, token: &Token, fill: Fill) -> Result<bool> {
-        let keys = vec![key.as_str().into(), key.part(Part::Value).into()];
+        let keys = vec![key.as_str().into(), key.cache_part(CachePart::Value).into()];
         let lifetime = fill.ttl.saturating_add(fill.grace);
         let args = vec![
             token.as_str().into(),
@@ -178,7 +178,7 @@ impl Store for RedisStore {
             us(fill.delta).into(),
             ms(fill.grace).into(),
             ms(lifetime).max(1).into(),
-            key.part(Part::Filled).into(),
+            key.cache_part(CachePart::Filled).into(),
         ];
         let reply = self.eval(&self.fill, keys, args).await?;
         Ok(reply.as_i64() == Some(1))
@@ -192,13 +192,16 @@ impl Store for RedisStore {
         message: &str,
         keep: Duration,
     ) -> Result<bool> {
-        let keys = vec![key.as_str().into(), key.part(Part::Failed).into()];
+        let keys = vec![
+            key.as_str().into(),
+            key.cache_part(CachePart::Failed).into(),
+        ];
         let args = vec![
             token.as_str().into(),
             round.to_string().into(),
             message.into(),
             ms(keep).max(1).into(),
-            key.part(Part::Filled).into(),
+            key.cache_part(CachePart::Filled).into(),
         ];
         let reply = self.eval(&self.fail, keys, args).await?;
         Ok(reply.as_i64() == Some(1))
@@ -207,7 +210,7 @@ impl Store for RedisStore {
     async fn notify(&self, key: &LeaseKey) -> Result<()> {
         use fred::interfaces::PubsubInterface;
         let client = self.backend.client();
-        in_tokio(client.publish::<i64, _, _>(key.part(Part::Filled), "1"))
+        in_tokio(client.publish::<i64, _, _>(key.cache_part(CachePart::Filled), "1"))
             .await
             .map(drop)
             .map_err(Error::backend)
@@ -215,7 +218,7 @@ impl Store for RedisStore {
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
         self.backend
-            .subscribe_broadcast(key.part(Part::Filled).to_owned())
+            .subscribe_broadcast(key.cache_part(CachePart::Filled))
             .await
     }
 }
