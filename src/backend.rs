@@ -110,6 +110,24 @@ impl NodeTerms {
     }
 }
 
+/// A call that failed before anything reached the store (a quorum member's connection was
+/// down and the caller asked to fail fast): it cannot have taken effect.
+#[derive(Debug)]
+pub(crate) struct NotSent(pub(crate) String);
+
+impl fmt::Display for NotSent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NotSent {}
+
+/// Whether `e` is a [`NotSent`] failure.
+pub(crate) fn not_sent(e: &crate::Error) -> bool {
+    matches!(e, crate::Error::Backend { source } if source.downcast_ref::<NotSent>().is_some())
+}
+
 /// The error of the [`Backend`] methods a store does not implement.
 fn unsupported(backend: &dyn fmt::Debug, what: &str) -> crate::Error {
     crate::Error::InvalidConfig(format!(

@@ -16,7 +16,7 @@ use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
 
 use crate::backend::{
-    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting,
+    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, NotSent, Subscription, Waiting,
 };
 use crate::error::{Error, Result};
 use crate::runtime::{self, in_tokio, Rt};
@@ -194,6 +194,18 @@ struct Scripts {
     fair_acquire: Script,
 }
 
+impl Scripts {
+    fn all(&self) -> Arc<[Script]> {
+        Arc::new([
+            self.acquire.clone(),
+            self.extend.clone(),
+            self.release.clone(),
+            self.fence.clone(),
+            self.fair_acquire.clone(),
+        ])
+    }
+}
+
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
@@ -311,14 +323,6 @@ impl RedisBackend {
         let client = builder.build().map_err(Error::backend)?;
         builder.set_config(subscriber_config);
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
-        if !wait {
-            // The connection tasks run where `init` would run them: on the caller's tokio
-            // runtime, or the crate's own one.
-            let connecting = client.clone();
-            in_tokio(async move { drop(connecting.connect()) }).await;
-        } else {
-            in_tokio(client.init()).await.map_err(Error::backend)?;
-        }
         let scripts = Scripts {
             acquire: Script::from_lua(include_str!("redis/acquire.lua")),
             extend: Script::from_lua(include_str!("redis/extend.lua")),
@@ -326,23 +330,37 @@ impl RedisBackend {
             fence: Script::from_lua(include_str!("redis/fence.lua")),
             fair_acquire: Script::from_lua(include_str!("redis/fair_acquire.lua")),
         };
-        // Loaded up front so that the first call of each is one EVALSHA, not a NOSCRIPT
-        // round trip plus a reload; a restarted server is reloaded on demand by the calls.
-        // try_join_all keeps the loads on the heap: fred's futures are large, and this one
-        // is part of every caller's connect future.
+        // Every connection (the first, and each after a reconnect: a restarted server has
+        // no scripts) loads the scripts, so that calls are one EVALSHA, not a NOSCRIPT round
+        // trip plus a reload that later commands could overtake.
+        let all = scripts.all();
+        let reloader = client.clone();
+        // The connection tasks and this listener run where `init` runs them: on the
+        // caller's tokio runtime, or the crate's own one.
+        in_tokio(async {
+            drop(reloader.clone().on_reconnect(move |_| {
+                let (client, all) = (reloader.clone(), all.clone());
+                async move {
+                    let loads = all.iter().map(|s| s.load(&client));
+                    let _ = futures::future::join_all(loads).await;
+                    Ok(())
+                }
+            }))
+        })
+        .await;
         if wait {
-            let all = [
-                &scripts.acquire,
-                &scripts.extend,
-                &scripts.release,
-                &scripts.fence,
-                &scripts.fair_acquire,
-            ];
+            in_tokio(client.init()).await.map_err(Error::backend)?;
+            // Also here, so that they are there when `connect` returns. try_join_all keeps
+            // the loads on the heap: fred's futures are large.
+            let all = scripts.all();
             in_tokio(futures::future::try_join_all(
-                all.into_iter().map(|s| s.load(&client)),
+                all.iter().map(|s| s.load(&client)),
             ))
             .await
             .map_err(Error::backend)?;
+        } else {
+            let connecting = client.clone();
+            in_tokio(async move { drop(connecting.connect()) }).await;
         }
         Ok(RedisBackend {
             inner: Arc::new(Inner {
@@ -517,6 +535,7 @@ impl RedisBackend {
         &self,
         batcher: &Batcher<Req, Resp>,
         req: Req,
+        keep: bool,
         send: F,
     ) -> Result<Resp>
     where
@@ -530,7 +549,7 @@ impl RedisBackend {
         }
         let this = self.clone();
         batcher
-            .call(req, move |reqs| send(this.clone(), reqs))
+            .call(req, keep, move |reqs| send(this.clone(), reqs))
             .await
     }
 
@@ -553,7 +572,9 @@ impl RedisBackend {
 
     /// Sends one acquire or release through the shared queue.
     async fn op(&self, op: Op) -> Result<Reply> {
-        self.group_commit(&self.inner.ops, op, RedisBackend::ops_batch)
+        // A release is sent even if its caller stops waiting for the answer.
+        let keep = matches!(op, Op::Release(_));
+        self.group_commit(&self.inner.ops, op, keep, RedisBackend::ops_batch)
             .await
     }
 
@@ -597,7 +618,7 @@ impl RedisBackend {
     /// that does not answer now is better skipped than waited for).
     fn check_connected(&self, terms: NodeTerms) -> Result<()> {
         if terms.get_fail_fast() && !self.inner.client.is_connected() {
-            return Err(Error::backend(format!(
+            return Err(Error::backend(NotSent(format!(
                 "not connected to {} (reconnecting)",
                 self.inner
                     .client
@@ -607,7 +628,7 @@ impl RedisBackend {
                     .first()
                     .map(|h| format!("{}:{}", h.host, h.port))
                     .unwrap_or_default()
-            )));
+            ))));
         }
         Ok(())
     }

@@ -3,27 +3,29 @@
 //! Every operation goes to all nodes at once, each with its own timeout, and returns as soon
 //! as its outcome is decided (a majority agreed, or a majority can no longer agree): one slow
 //! or paused node costs nothing while the others answer, and at most the per-node timeout
-//! when it is needed for the majority. Calls still out when the outcome is decided are left to
-//! finish in the background, so a release or clean-up still reaches every node.
+//! when it is needed for the majority. Every call is handed to its node's connection before
+//! any decision; a call still out when the outcome is decided is dropped, but what it sent
+//! runs on the node all the same (a release is sent even if nobody waits for it).
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
+use futures::future;
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use crate::backend::redis::{RedisBackend, RedisOptions};
-use crate::backend::{Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting};
+use crate::backend::{
+    not_sent, Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting,
+};
 use crate::error::{Error, Result};
 use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
-
-/// How long calls still out when an operation's outcome is decided may take to finish.
-const DRAIN: Duration = Duration::from_secs(30);
 
 /// Added to the client's clock for the fencing-token floor proposed to every node. A node
 /// mints at least its own clock in microseconds; proposing a little more than that lets every
@@ -101,8 +103,10 @@ impl RedlockOptions {
 
     /// The longest TTL any client sets on these nodes. A node that has been up for less than
     /// this counts toward no quorum: it may have restarted empty and forgotten leases that
-    /// others still hold. Default: each lease's own TTL (right when every client uses the
-    /// same TTL; set it when they do not).
+    /// others still hold. A lease with a longer TTL is refused with
+    /// [`Error::InvalidConfig`]. Default: each lease's own TTL (right when every client uses
+    /// the same TTL; set it when they do not). Uptime is read at one-second resolution and
+    /// rounded down, against the node.
     pub fn max_lease(mut self, d: Duration) -> Self {
         self.max_lease = Some(d);
         self
@@ -245,19 +249,52 @@ impl fmt::Debug for Redlock {
 /// One node's answer, or `None` if it had not answered when the outcome was decided.
 type Replies<T> = Vec<Option<Result<T>>>;
 
-type NodeCall<T> = Pin<Box<dyn Future<Output = (usize, Result<T>)> + Send>>;
-
 /// What one acquire round came to.
 enum Round {
-    Acquired(Acquire),
-    /// Another client holds it on enough nodes that we cannot get a majority.
+    /// `validity` counted from the start of the whole call.
+    Acquired {
+        fencing_token: u64,
+        validity: Duration,
+    },
+    /// Another client holds it: no node granted, and a majority can no longer.
     Held(Option<Duration>),
-    /// Too few nodes answered or counted; `warming` is set when restarted nodes made the
-    /// difference, with the time until they count.
+    /// This client and another split the nodes between them: both release and retry.
+    Split(Option<Duration>),
+    /// Too few nodes answered or counted; `warming` is set when restarted nodes would make
+    /// the majority once they count, with the time until then.
     Unavailable {
         granted: usize,
         warming: Option<Duration>,
     },
+}
+
+/// The answers of one acquire round, counted.
+#[derive(Default)]
+struct Votes {
+    granted: usize,
+    held: usize,
+    warming: usize,
+    failed: usize,
+}
+
+impl Votes {
+    fn of(replies: &Replies<Acquire>) -> Votes {
+        let mut v = Votes::default();
+        for reply in replies.iter().flatten() {
+            match reply {
+                Ok(Acquire::Acquired { .. }) => v.granted += 1,
+                Ok(Acquire::Held { .. }) => v.held += 1,
+                Ok(Acquire::Warming { .. }) => v.warming += 1,
+                Err(_) => v.failed += 1,
+            }
+        }
+        v
+    }
+
+    /// Nodes that cannot grant in this round.
+    fn refused(&self) -> usize {
+        self.held + self.warming + self.failed
+    }
 }
 
 impl Redlock {
@@ -335,6 +372,13 @@ impl Redlock {
         if urls.is_empty() {
             return Err(Error::invalid("a Redlock needs at least one node URL"));
         }
+        for (i, url) in urls.iter().enumerate() {
+            if urls[..i].contains(url) {
+                return Err(Error::invalid(format!(
+                    "Redlock node {url} is listed twice: one server would count as two nodes"
+                )));
+            }
+        }
         let mut nodes = Vec::with_capacity(urls.len());
         for url in urls {
             nodes.push(RedisBackend::connect_lazy(url, redis.clone()).await?);
@@ -380,82 +424,101 @@ impl Redlock {
         ttl.saturating_sub(drift)
     }
 
-    fn terms(&self, longest_ttl: Duration) -> NodeTerms {
+    /// The node terms for leases of at most `longest_ttl`; refuses a TTL above `max_lease`,
+    /// which other clients rely on to know when a restarted node may count again.
+    fn terms(&self, longest_ttl: Duration) -> Result<NodeTerms> {
         let terms = NodeTerms::new().fail_fast(true);
         if !self.options.restart_guard {
-            return terms;
+            return Ok(terms);
         }
-        let max_lease = self.options.max_lease.unwrap_or(longest_ttl);
-        terms.min_uptime(max_lease.max(longest_ttl))
+        match self.options.max_lease {
+            Some(max) if longest_ttl > max => Err(Error::invalid(format!(
+                "lease TTL {longest_ttl:?} is above this Redlock's max_lease {max:?}: \
+                 restarted nodes would count again while such a lease may still live"
+            ))),
+            Some(max) => Ok(terms.min_uptime(max)),
+            None => Ok(terms.min_uptime(longest_ttl)),
+        }
     }
 
     /// Calls `call` on the nodes `which`, all at once, and gathers the answers until
     /// `decided` says the outcome is known, every node has answered, or `timeout` passes.
-    /// Calls still out then are left to finish in the background.
-    async fn fan_out<T, F, Fut>(
-        &self,
+    ///
+    /// Every call is polled at least once before any decision, so every command has been
+    /// handed to its node's connection (a RedisBackend sends it, in order with the node's
+    /// other commands, even if its caller stops waiting). Calls still out when the outcome is
+    /// decided are dropped: what they sent still runs on the node.
+    async fn fan_out<'a, T, F, Fut>(
+        &'a self,
         which: impl IntoIterator<Item = usize>,
         timeout: Duration,
         call: F,
         decided: impl Fn(&Replies<T>) -> bool,
     ) -> Replies<T>
     where
-        T: Send + 'static,
-        F: Fn(Arc<dyn Backend>) -> Fut,
-        Fut: Future<Output = Result<T>> + Send + 'static,
+        F: Fn(&'a dyn Backend) -> Fut,
+        Fut: Future<Output = Result<T>> + 'a,
     {
         let deadline = Instant::now() + timeout;
-        let mut calls: FuturesUnordered<NodeCall<T>> = which
+        let mut calls: Vec<(usize, Pin<Box<Fut>>)> = which
             .into_iter()
-            .map(|i| {
-                let fut = call(self.nodes[i].clone());
-                Box::pin(async move { (i, fut.await) }) as NodeCall<T>
-            })
+            .map(|i| (i, Box::pin(call(&*self.nodes[i]))))
             .collect();
         let mut replies: Replies<T> = (0..self.nodes.len()).map(|_| None).collect();
-        while !decided(&replies) {
-            match runtime::until(Some(deadline), calls.next()).await {
-                Some(Some((i, reply))) => replies[i] = Some(reply),
-                Some(None) | None => break,
-            }
-        }
-        if !calls.is_empty() {
-            runtime::background().spawn(async move {
-                let drained = calls.for_each(|_| futures::future::ready(()));
-                runtime::until(Some(Instant::now() + DRAIN), drained).await;
+        let gather = future::poll_fn(|cx| {
+            calls.retain_mut(|(i, fut)| match fut.as_mut().poll(cx) {
+                Poll::Ready(reply) => {
+                    replies[*i] = Some(reply);
+                    false
+                }
+                Poll::Pending => true,
             });
-        }
+            if calls.is_empty() || decided(&replies) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        });
+        runtime::until(Some(deadline), gather).await;
         replies
     }
 
-    /// One round of the algorithm.
-    async fn round(&self, key: &LeaseKey, token: &Token, ttl: Duration, waiting: Waiting) -> Round {
+    /// One round of the algorithm. `call_start`: when the caller's attempt began, which the
+    /// returned validity is counted from.
+    async fn round(
+        &self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+        call_start: Instant,
+    ) -> Round {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
         let mut validity = self.validity(ttl);
         let timeout = self.options.node_timeout.min(validity / 2);
-        let terms = self.terms(ttl).fence_floor(fence_floor());
-        let (k, t) = (key.clone(), token.clone());
+        let terms = terms.fence_floor(fence_floor());
         let replies = self
             .fan_out(
                 0..n,
                 timeout,
-                move |node| {
-                    let (k, t) = (k.clone(), t.clone());
-                    async move { node.try_acquire_node(&k, &t, ttl, waiting, terms).await }
-                },
+                |node| node.try_acquire_node(key, token, ttl, waiting, terms),
                 |r| {
-                    let granted = r.iter().filter(|a| is_granted(a)).count();
-                    let refused = r.iter().filter(|a| a.is_some() && !is_granted(a)).count();
-                    granted >= q || refused > n - q
+                    let v = Votes::of(r);
+                    v.granted >= q || v.refused() > n - q
                 },
             )
             .await;
+        let votes = Votes::of(&replies);
 
         let mut granted = Vec::new();
-        let mut held: Option<Option<Duration>> = None;
+        let mut held: Option<Duration> = None;
         let mut warming: Option<Duration> = None;
-        let mut cleanup = Vec::new();
+        // Nodes that may hold our token now, and answer: these are released and waited for.
+        let mut known = Vec::new();
+        // Nodes that may hold it and did not answer: released, not waited for.
+        let mut unknown = Vec::new();
         for (i, reply) in replies.iter().enumerate() {
             match reply {
                 Some(Ok(Acquire::Acquired {
@@ -464,21 +527,22 @@ impl Redlock {
                 })) => {
                     validity = validity.min(*v);
                     granted.push((i, *fencing_token));
-                    cleanup.push(i);
+                    known.push(i);
                 }
                 Some(Ok(Acquire::Held { remaining })) => {
                     // The soonest any holder's lease runs out.
-                    let soonest = match (held.flatten(), *remaining) {
+                    held = match (held, *remaining) {
                         (Some(a), Some(b)) => Some(a.min(b)),
                         (a, b) => a.or(b),
                     };
-                    held = Some(soonest);
                 }
                 Some(Ok(Acquire::Warming { remaining })) => {
                     warming = Some(warming.map_or(*remaining, |w| w.min(*remaining)));
                 }
+                // Failed before anything was sent: nothing to take back.
+                Some(Err(e)) if not_sent(e) => {}
                 // Failed or silent: it may have granted all the same.
-                Some(Err(_)) | None => cleanup.push(i),
+                Some(Err(_)) | None => unknown.push(i),
             }
         }
 
@@ -488,34 +552,36 @@ impl Redlock {
                 .write_back(key, fence, &granted, started + validity)
                 .await;
             if confirmed >= q && started.elapsed() < validity {
-                return Round::Acquired(Acquire::Acquired {
+                return Round::Acquired {
                     fencing_token: fence,
-                    validity,
-                });
+                    validity: validity + started.saturating_duration_since(call_start),
+                };
             }
         }
 
         // Not ours: take back what may have been granted. Sent before any next round with
-        // this token, so it runs before it on every node (see RedisBackend's one queue).
-        let (k, t) = (key.clone(), token.clone());
+        // this token, so it runs before it on every node (a RedisBackend keeps one queue).
+        // Waited for where the node answered (it is reachable), so that a failed attempt
+        // has left nothing behind there when it returns.
+        let answered: Vec<usize> = known.clone();
         self.fan_out(
-            cleanup,
+            known.into_iter().chain(unknown),
             self.options.node_timeout,
-            move |node| {
-                let (k, t) = (k.clone(), t.clone());
-                async move { node.release(&k, &t).await }
-            },
-            |_| false,
+            |node| node.release(key, token),
+            |r| answered.iter().all(|&i| r[i].is_some()),
         )
         .await;
 
-        let answered = granted.len() + replies.iter().filter(|r| is_held(r)).count();
-        match held {
-            Some(remaining) if answered >= q => Round::Held(remaining),
-            _ => Round::Unavailable {
+        if votes.held > 0 && votes.granted > 0 {
+            Round::Split(held)
+        } else if votes.held > 0 {
+            Round::Held(held)
+        } else {
+            Round::Unavailable {
                 granted: granted.len(),
-                warming,
-            },
+                // Only worth waiting for if they would make the majority.
+                warming: warming.filter(|_| votes.granted + votes.warming >= q),
+            }
         }
     }
 
@@ -540,15 +606,11 @@ impl Redlock {
         let timeout = deadline
             .saturating_duration_since(Instant::now())
             .min(self.options.node_timeout);
-        let k = key.clone();
         let replies = self
             .fan_out(
                 behind,
                 timeout,
-                move |node| {
-                    let k = k.clone();
-                    async move { node.raise_fence(&k, fence).await }
-                },
+                |node| node.raise_fence(key, fence),
                 |_| false,
             )
             .await;
@@ -558,26 +620,22 @@ impl Redlock {
     /// Release or abandon on every node; `true` if a majority held the lease.
     async fn release_all(&self, key: &LeaseKey, token: &Token, abandon: bool) -> Result<bool> {
         let (n, q) = (self.nodes.len(), self.quorum());
-        let (k, t) = (key.clone(), token.clone());
         let replies = self
             .fan_out(
                 0..n,
                 self.options.node_timeout,
-                move |node| {
-                    let (k, t) = (k.clone(), t.clone());
-                    async move {
-                        if abandon {
-                            node.abandon(&k, &t).await
-                        } else {
-                            node.release(&k, &t).await
-                        }
+                |node| async move {
+                    if abandon {
+                        node.abandon(key, token).await
+                    } else {
+                        node.release(key, token).await
                     }
                 },
                 |r| {
                     let released = r.iter().filter(|x| matches!(x, Some(Ok(true)))).count();
-                    let answered = r.iter().filter(|x| x.is_some()).count();
-                    // Decided, but every node is still asked to finish (in the background).
-                    answered == n || released >= q
+                    let not_ours = r.iter().filter(|x| matches!(x, Some(Ok(false)))).count();
+                    // Decided; the releases still out run on their nodes all the same.
+                    released >= q || not_ours > n - q
                 },
             )
             .await;
@@ -602,14 +660,6 @@ impl Redlock {
     }
 }
 
-fn is_granted<T>(reply: &Option<Result<Acquire, T>>) -> bool {
-    matches!(reply, Some(Ok(Acquire::Acquired { .. })))
-}
-
-fn is_held<T>(reply: &Option<Result<Acquire, T>>) -> bool {
-    matches!(reply, Some(Ok(Acquire::Held { .. })))
-}
-
 /// The fencing-token floor proposed to the nodes: the client's clock in µs, plus a lead.
 fn fence_floor() -> u64 {
     SystemTime::now()
@@ -627,7 +677,10 @@ impl Backend for Redlock {
         ttl: Duration,
         waiting: Waiting,
     ) -> Result<Acquire> {
+        let call_start = Instant::now();
+        let terms = self.terms(ttl)?;
         let mut best = 0;
+        let mut split = None;
         for attempt in 0..=self.options.retries {
             if attempt > 0 {
                 let delay = self
@@ -636,23 +689,43 @@ impl Backend for Redlock {
                     .mul_f64(rand::random_range(0.0..=1.0));
                 runtime::sleep(delay).await;
             }
-            match self.round(key, token, ttl, waiting).await {
-                Round::Acquired(acquired) => return Ok(acquired),
+            match self
+                .round(key, token, ttl, waiting, terms, call_start)
+                .await
+            {
+                Round::Acquired {
+                    fencing_token,
+                    validity,
+                } => {
+                    return Ok(Acquire::Acquired {
+                        fencing_token,
+                        validity,
+                    })
+                }
                 Round::Held(remaining) => return Ok(Acquire::Held { remaining }),
+                // Both contenders took back their part: try again after a random delay,
+                // so that one of them gets there first.
+                Round::Split(remaining) => split = Some(remaining),
                 Round::Unavailable {
                     warming: Some(remaining),
                     ..
                 } if waiting.recheck().is_some() => {
-                    // Restarted nodes will count again then: a waiting acquire waits for it.
+                    // Restarted nodes will count then: a waiting acquire waits for it.
                     return Ok(Acquire::Warming { remaining });
                 }
-                Round::Unavailable { granted, .. } => best = best.max(granted),
+                Round::Unavailable { granted, .. } => {
+                    split = None;
+                    best = best.max(granted);
+                }
             }
         }
-        Err(Error::QuorumNotReached {
-            acquired: best,
-            required: self.quorum(),
-        })
+        match split {
+            Some(remaining) => Ok(Acquire::Held { remaining }),
+            None => Err(Error::QuorumNotReached {
+                acquired: best,
+                required: self.quorum(),
+            }),
+        }
     }
 
     async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
@@ -661,58 +734,42 @@ impl Backend for Redlock {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let owned: Arc<Vec<(LeaseKey, Token, Duration)>> = Arc::new(
-            leases
-                .iter()
-                .map(|l| (l.key.clone(), l.token.clone(), l.ttl))
-                .collect(),
-        );
         let longest = leases.iter().map(|l| l.ttl).max().unwrap_or_default();
         let shortest = leases.iter().map(|l| l.ttl).min().unwrap_or_default();
+        let terms = self.terms(longest)?;
         // A big batch takes a while to run; it is bounded by the watchdog's deadline too.
         let timeout = self.options.node_timeout.max(shortest / 10);
-        let terms = self.terms(longest);
         let count = leases.len();
-        let batch = owned.clone();
         let replies = self
             .fan_out(
                 0..n,
                 timeout,
-                move |node| {
-                    let batch = batch.clone();
-                    async move {
-                        let leases: Vec<Lease<'_>> = batch
-                            .iter()
-                            .map(|(key, token, ttl)| Lease {
-                                key,
-                                token,
-                                ttl: *ttl,
-                            })
-                            .collect();
-                        node.extend_node(&leases, terms).await
-                    }
-                },
+                |node| node.extend_node(leases, terms),
                 |r| (0..count).all(|i| tally(r, i).decided(n, q)),
             )
             .await;
         let elapsed = started.elapsed();
         let mut out = Vec::with_capacity(count);
-        let mut worst = usize::MAX;
-        for (i, (_, _, ttl)) in owned.iter().enumerate() {
+        let mut undecided = 0;
+        let mut worst = q;
+        for (i, lease) in leases.iter().enumerate() {
             let t = tally(&replies, i);
-            let validity = self.validity(*ttl).min(t.validity);
+            let validity = self.validity(lease.ttl).min(t.validity);
             if t.extended >= q && elapsed < validity {
                 out.push(Some(validity));
-            } else if t.extended >= q || t.refused > n - q {
-                // Confirmed too late, or a majority no longer holds it.
-                out.push(None);
             } else {
-                worst = worst.min(t.extended);
+                // Confirmed too late, refused by enough nodes, or not confirmable now.
+                if t.extended < q && t.refused <= n - q {
+                    undecided += 1;
+                    worst = worst.min(t.extended);
+                }
                 out.push(None);
             }
         }
-        if worst != usize::MAX {
-            // Some lease is undecided (too few answers): the watchdog retries them all.
+        if undecided == count {
+            // Nothing could be decided (too few nodes answered): the watchdog retries, and
+            // a lease is lost only when its deadline passes. Where some leases were decided,
+            // the nodes answered, and a lease they cannot confirm is lost now.
             return Err(Error::QuorumNotReached {
                 acquired: worst,
                 required: q,
@@ -729,6 +786,24 @@ impl Backend for Redlock {
         self.release_all(key, token, true).await
     }
 
+    /// Wakes on a release seen by any node. Returns once a majority (or every node) has
+    /// answered, or after the node timeout: a release reaches every node, so one subscribed
+    /// node is enough, and the waiter's fallback re-check covers the rest.
+    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
+        let (n, q) = (self.nodes.len(), self.quorum());
+        let replies = self
+            .fan_out(
+                0..n,
+                self.options.node_timeout,
+                |node| node.subscribe(key),
+                |r| r.iter().filter(|x| matches!(x, Some(Ok(_)))).count() >= q,
+            )
+            .await;
+        Ok(Subscription::merge(
+            replies.into_iter().flatten().filter_map(Result::ok),
+        ))
+    }
+
     /// Refused: a FIFO queue over independent nodes would need its own quorum protocol.
     async fn fair_acquire(
         &self,
@@ -740,27 +815,6 @@ impl Backend for Redlock {
         Err(Error::invalid(
             "fair locks are not supported over Redlock yet: turn `fair` off for this lock, \
              or use a single RedisBackend",
-        ))
-    }
-
-    /// Wakes on a release seen by any node. Nodes that do not answer within the node timeout
-    /// are left out (the waiter's fallback re-check covers them).
-    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
-        let n = self.nodes.len();
-        let k = key.clone();
-        let replies = self
-            .fan_out(
-                0..n,
-                self.options.node_timeout,
-                move |node| {
-                    let k = k.clone();
-                    async move { node.subscribe(&k).await }
-                },
-                |_| false,
-            )
-            .await;
-        Ok(Subscription::merge(
-            replies.into_iter().flatten().filter_map(Result::ok),
         ))
     }
 }

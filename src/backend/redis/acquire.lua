@@ -13,9 +13,16 @@
 -- minimum uptime asked (a quorum member that may have restarted empty grants nothing).
 -- The fence never goes backwards: at least last + 1, at least the server's clock in
 -- microseconds (so a restarted server without persistence, or one restored from an old
--- snapshot, still hands out larger tokens) and at least the floor asked for.
+-- snapshot, still hands out larger tokens) and at least the floor asked for, which is
+-- capped at the server's clock plus 2 s (a client whose clock runs fast cannot push the
+-- counter far ahead of the clocks that floor it after a restart).
+-- The fence hash expires an hour after its last write (so a cache or job key used once does
+-- not leave it forever); the clock floor keeps tokens increasing after it is gone.
+-- Uptime comes from INFO at one-second resolution (and Redis derives it from whole
+-- seconds of wall-clock time): one second is taken off, against the server.
 local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local FENCE_TTL = 3600000
 local uptime
 local out = {}
 for i = 0, #KEYS / 4 - 1 do
@@ -23,7 +30,8 @@ for i = 0, #KEYS / 4 - 1 do
   local token, ttl, flag, arriving = ARGV[6 * i + 1], ARGV[6 * i + 2], ARGV[6 * i + 3], ARGV[6 * i + 4]
   local floor, min_uptime = tonumber(ARGV[6 * i + 5]), tonumber(ARGV[6 * i + 6])
   if min_uptime > 0 and not uptime then
-    uptime = 1000 * tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+    local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
+    uptime = 1000 * math.max((s or 0) - 1, 0)
   end
   local code, value
   if min_uptime > 0 and uptime < min_uptime then
@@ -40,8 +48,9 @@ for i = 0, #KEYS / 4 - 1 do
     code, value = 0, redis.call('PTTL', lease)
   elseif redis.call('SET', lease, token, 'NX', 'PX', ttl) then
     local last = tonumber(redis.call('HGET', fence, 'f') or '0')
-    value = math.max(last + 1, clock, floor)
+    value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
     redis.call('HSET', fence, 'f', string.format('%.0f', value))
+    redis.call('PEXPIRE', fence, FENCE_TTL)
     code = 1
   elseif redis.call('GET', lease) == token then
     -- Ours already: a re-sent attempt (after a reconnect, or sent again).

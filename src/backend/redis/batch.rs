@@ -11,7 +11,8 @@
 //! Queued callers depend on nobody else's future: a caller that stops polling its future
 //! (or drops it) holds up only its own request. The flusher runs on a runtime that is always
 //! polled and never cancelled. A queued caller that gave up before its batch was taken is not
-//! sent; one that gives up after that is answered into the void.
+//! sent, unless it asked to be sent anyway (a release: what the caller let go of should still
+//! be let go); one that gives up after that is answered into the void.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -41,6 +42,8 @@ struct State<Req, Resp> {
 struct Waiter<Req, Resp> {
     req: Req,
     tx: oneshot::Sender<Result<Resp>>,
+    /// Sent even if the caller gives up while it is queued.
+    keep: bool,
 }
 
 impl<Req, Resp> Default for Batcher<Req, Resp> {
@@ -93,7 +96,8 @@ where
     /// Runs `req`, alone or together with others, through `send` (one script call for all the
     /// requests it is given, one response per request, in order). `send` must be idempotent
     /// per request: if the flusher's runtime dropped a batch, its requests are sent again.
-    pub(super) async fn call<F, Fut>(&self, req: Req, send: F) -> Result<Resp>
+    /// `keep`: send the request even if this future is dropped while it waits in the queue.
+    pub(super) async fn call<F, Fut>(&self, req: Req, keep: bool, send: F) -> Result<Resp>
     where
         F: Fn(Vec<Req>) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Result<Vec<Resp>>> + Send + 'static,
@@ -109,6 +113,7 @@ where
                     s.queue.push(Waiter {
                         req: req.clone(),
                         tx,
+                        keep,
                     });
                     let start = !s.flushing;
                     s.flushing = true;
@@ -156,8 +161,8 @@ where
     loop {
         let batch: Vec<Waiter<Req, Resp>> = {
             let mut s = lock(&guard.state);
-            // Callers that gave up are not sent.
-            s.queue.retain(|w| !w.tx.is_canceled());
+            // Callers that gave up are not sent (unless they asked to be).
+            s.queue.retain(|w| w.keep || !w.tx.is_canceled());
             if s.queue.is_empty() {
                 // Cleared with the lock still held: a call queued after this starts a new
                 // flusher, which this one's guard must then leave alone.

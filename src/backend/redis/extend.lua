@@ -1,13 +1,14 @@
 -- Extend many leases at once: each key's TTL is set only if it still holds that token.
 -- ARGV[1] minimum uptime (ms; 0 for none): a quorum member up for less than that (it may
--- have restarted empty) extends nothing.
+-- have restarted empty) extends nothing. Uptime is rounded down to whole seconds, less one
+-- (see acquire.lua).
 -- KEYS[i] lease key   ARGV[2i] its token   ARGV[2i+1] its ttl (ms)
 -- Returns one 1 (extended) or 0 (not ours any more, or not counted) per key.
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
-  local uptime = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
-  counted = 1000 * uptime >= min_uptime
+  local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
+  counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
 end
 local out = {}
 for i = 1, #KEYS do

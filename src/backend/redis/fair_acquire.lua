@@ -50,6 +50,7 @@ for i = 0, #KEYS / 5 - 1 do
       local last = tonumber(redis.call('HGET', fence, 'f') or '0')
       value = math.max(last + 1, floor)
       redis.call('HSET', fence, 'f', string.format('%.0f', value))
+      redis.call('PEXPIRE', fence, 3600000)
       code = 1
     else
       code = 0

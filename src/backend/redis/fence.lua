@@ -5,5 +5,6 @@ local last = tonumber(redis.call('HGET', KEYS[1], 'f') or '0')
 local want = tonumber(ARGV[1])
 if want > last then
   redis.call('HSET', KEYS[1], 'f', string.format('%.0f', want))
+  redis.call('PEXPIRE', KEYS[1], 3600000)
 end
 return 1

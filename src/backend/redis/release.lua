@@ -43,6 +43,7 @@ for i = 0, #KEYS / 6 - 1 do
     redis.call('DEL', lease)
     -- Remember the released token, so a release re-sent after a reconnect still says "ours".
     redis.call('HSET', fence, 'r', token)
+    redis.call('PEXPIRE', fence, 3600000)
     if redis.call('EXISTS', waiters) == 1 then
       redis.call('PUBLISH', channel, '1')
     end
