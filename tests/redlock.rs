@@ -12,8 +12,9 @@ use std::future::Future;
 use std::net::{Ipv4Addr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use fred::interfaces::ClientLike;
 use redlease::{
     Error, Lock, LockGuard, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions,
     Redlock, RedlockOptions,
@@ -75,6 +76,14 @@ async fn connected_nodes(servers: &[RedisServer]) -> Vec<RedisBackend> {
     nodes
 }
 
+/// Waits until each of `nodes` has seen its server go away (the client is reconnecting),
+/// so that calls to it fail at once.
+async fn wait_disconnected(nodes: &[RedisBackend]) {
+    let gone =
+        support::wait_for_async(secs(5), || nodes.iter().all(|n| !n.client().is_connected())).await;
+    assert!(gone, "a client did not notice its server was killed");
+}
+
 /// A manager over its own Redlock (own connections, own watchdog), as another process would.
 async fn manager(servers: &[RedisServer], lock: LockOptions, opts: RedlockOptions) -> LockManager {
     LockManager::with_options(redlock_all(servers, opts).await, lock).expect("valid options")
@@ -113,6 +122,26 @@ async fn wait_uptime(servers: &[RedisServer], at_least: u64) {
             "servers did not reach {at_least} s of uptime"
         );
         tokio::time::sleep(ms(50)).await;
+    }
+}
+
+/// Waits until the wall clock is between `from` and `to` ms into a second (waiting for time
+/// to pass, to pick when a server starts).
+async fn wall_clock_into_second(from: u32, to: u32) {
+    let deadline = Instant::now() + secs(3);
+    loop {
+        let sub = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .subsec_millis();
+        if (from..to).contains(&sub) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "wall clock never reached {from} ms"
+        );
+        tokio::time::sleep(ms(2)).await;
     }
 }
 
@@ -217,7 +246,8 @@ async fn two_of_five_killed_the_three_survivors_grant_extend_exclude_and_release
         a.watchdog_stats()
     );
 
-    // Another manager is excluded, whether it tries once or waits.
+    // Another manager is excluded, whether it tries once or waits. (How it is told so is
+    // checked in contention_bug_with_a_minority_down_is_reported_as_quorum_not_reached.)
     let other = b.lock("two-down");
     let a_value = get(&servers[0], &key).expect("A's lease");
     match within("B's attempt", secs(5), other.try_acquire()).await {
@@ -255,6 +285,67 @@ async fn two_of_five_killed_the_three_survivors_grant_extend_exclude_and_release
         .expect("free after A's release");
     assert!(next.fencing_token() > token);
     next.release().await.expect("B releases");
+}
+
+/// Contention is not an error, also with a minority of nodes down: while A holds the lock on
+/// the 3 survivors of 5, B's `try_acquire` must be `Ok(None)` and B's waiting `acquire` must
+/// wait for A's release and then get the lock.
+///
+/// FAILS (library bug): in `Redlock::round` the fan-out stops as soon as
+/// `refused > n - q`, where `refused` counts "held" answers and errors alike. The two dead
+/// nodes fail at once (fail-fast), so the first "held" answer ends the round; the other two
+/// "held" answers are never read. The round is then classified by
+/// `answered = granted + held >= q` (here 0 + 1 < 3): not `Held` but `Unavailable`, so it
+/// retries and gives up with `QuorumNotReached { acquired: 0 }`. A waiting acquire
+/// propagates that error instead of waiting for the holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contention_bug_with_a_minority_down_is_reported_as_quorum_not_reached() {
+    let mut servers = start(5);
+    let opts = guard_off().retry_delay(ms(20));
+    let a = manager(&servers, LockOptions::new().ttl(secs(2)), opts.clone()).await;
+    let b_nodes = connected_nodes(&servers).await;
+    let b_redlock = Redlock::with_options(b_nodes.clone(), opts).expect("options");
+    let b = LockManager::with_options(b_redlock, LockOptions::new().ttl(secs(2))).expect("options");
+    servers[3].kill();
+    servers[4].kill();
+    // B's clients know N3 and N4 are gone, so their calls fail at once (fail-fast), as they
+    // do a moment after any crash; until then they would answer late instead.
+    wait_disconnected(&b_nodes[3..]).await;
+    let guard = within(
+        "A's acquire",
+        secs(5),
+        a.lock("busy").acquire_timeout(secs(4)),
+    )
+    .await
+    .expect("3 of 5 nodes are a quorum");
+    let other = b.lock("busy");
+    let once = within("B's attempt", secs(5), other.try_acquire()).await;
+    // B waits; A releases a little later (waiting for time to pass: B must be waiting).
+    let waiting = tokio::spawn(async move {
+        let began = Instant::now();
+        let r = other.acquire_timeout(secs(5)).await;
+        (r, began.elapsed())
+    });
+    tokio::time::sleep(ms(500)).await;
+    within("A's release", secs(5), guard.release())
+        .await
+        .expect("release");
+    let (waited, took) = within("B's wait", secs(10), waiting)
+        .await
+        .expect("B's task");
+    eprintln!(
+        "with 2 of 5 down and the lock held: try_acquire {:?}; a waiting acquire {:?} after \
+         {took:?}",
+        once.as_ref().map(Option::is_some),
+        waited.as_ref().map(LockGuard::fencing_token)
+    );
+    assert!(
+        matches!(once, Ok(None)),
+        "contention must be Ok(None), got {:?}",
+        once.map(|g| g.is_some())
+    );
+    let g = waited.expect("B's waiting acquire must wait for A's release and get the lock");
+    g.release().await.expect("B releases");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -372,6 +463,76 @@ async fn nodes_restarted_empty_rejoin_and_acquisitions_succeed_again() {
     gb.release().await.expect("release");
 }
 
+/// With the restart guard on, a restarted node counts toward no quorum until it has been up
+/// for `max_lease`, and then counts again.
+///
+/// FAILS (library bug): acquire.lua and extend.lua compare `1000 * uptime_in_seconds` with
+/// the minimum uptime, but Redis reports `uptime_in_seconds` as the difference of two
+/// wall-clock times truncated to whole seconds. A server started late in a second reports
+/// one more second than it has been up within a few hundred ms, so the node counts up to
+/// one second before `max_lease` has passed. The restart here is timed late in a second
+/// (any restart time must be safe), which makes the failure deterministic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_guard_bug_restarted_node_counts_before_max_lease_because_uptime_is_whole_seconds()
+{
+    let mut servers = start(5);
+    let max_lease = secs(2);
+    let opts = RedlockOptions::new()
+        .node_timeout(NODE_TIMEOUT)
+        .retries(0)
+        .max_lease(max_lease);
+    wait_uptime(&servers, 2).await;
+    let a = manager(&servers, LockOptions::new().ttl(secs(1)), opts).await;
+    let lock = a.lock("warming");
+    let key = lock.key().as_str().to_string();
+    let g = lock
+        .try_acquire()
+        .await
+        .expect("attempt")
+        .expect("all nodes up long enough");
+    g.release().await.expect("release");
+
+    // Two nodes stay down; the quorum now needs the restarted one.
+    servers[0].kill();
+    servers[1].kill();
+    wall_clock_into_second(550, 700).await;
+    let restarted = Instant::now();
+    servers[2].restart();
+
+    let mut refused = 0;
+    let mut counted_after = None;
+    while restarted.elapsed() < secs(6) {
+        match within("try_acquire", secs(5), lock.try_acquire()).await {
+            Ok(Some(g)) => {
+                counted_after = Some((restarted.elapsed(), uptime(&servers[2])));
+                assert!(exists(&servers[2], &key), "the restarted node granted");
+                g.release().await.expect("release");
+                break;
+            }
+            Err(e) => {
+                // N3 and N4 grant, the restarted node answers "warming".
+                assert_quorum_error(&e, 2, 3);
+                refused += 1;
+            }
+            Ok(None) => panic!("nobody holds the lock"),
+        }
+        // Polling for the moment the node counts again: waiting for time to pass.
+        tokio::time::sleep(ms(10)).await;
+    }
+    let (after, reported) = counted_after.expect("the restarted node never counted again");
+    eprintln!(
+        "restarted node refused {refused} attempts, counted again {after:?} after its restart \
+         (it reported uptime_in_seconds={reported}; max_lease {max_lease:?})"
+    );
+    assert!(refused > 0, "the restarted node counted at once");
+    assert!(
+        after >= max_lease,
+        "the restarted node counted toward a quorum {after:?} after its restart began, before \
+         max_lease {max_lease:?} had passed (it reported uptime_in_seconds={reported}: whole \
+         wall-clock seconds, so up to 1 s more than it has been up)"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. The issue's restart test: A on exactly 3 of 5, one of them restarted empty.
 // ---------------------------------------------------------------------------------------
@@ -407,13 +568,15 @@ async fn hold_on_exactly_three(servers: &[RedisServer], lock: &Lock) -> LockGuar
 struct Contest {
     /// When B's attempt returned with the lock.
     b_got_at: Option<Instant>,
+    b_token: u64,
     /// A's deadline then, and whether A knew it was lost.
     a_valid_until: Instant,
     a_lost: bool,
     attempts: usize,
+    restarted_uptime: Option<u64>,
 }
 
-async fn contest(b: &LockManager, a_guard: &LockGuard) -> Contest {
+async fn contest(b: &LockManager, a_guard: &LockGuard, restarted: &RedisServer) -> Contest {
     let lock = b.lock(a_guard.name());
     let limit = a_guard.valid_until() + secs(4);
     let mut attempts = 0;
@@ -424,9 +587,11 @@ async fn contest(b: &LockManager, a_guard: &LockGuard) -> Contest {
                 let got = Instant::now();
                 let contest = Contest {
                     b_got_at: Some(got),
+                    b_token: g.fencing_token(),
                     a_valid_until: a_guard.valid_until(),
                     a_lost: a_guard.is_lost(),
                     attempts,
+                    restarted_uptime: Some(uptime(restarted)),
                 };
                 g.release().await.expect("B releases");
                 return contest;
@@ -439,10 +604,70 @@ async fn contest(b: &LockManager, a_guard: &LockGuard) -> Contest {
     }
     Contest {
         b_got_at: None,
+        b_token: 0,
         a_valid_until: a_guard.valid_until(),
         a_lost: a_guard.is_lost(),
         attempts,
+        restarted_uptime: None,
     }
+}
+
+/// Issue 10's test: holder A on exactly 3 of 5 nodes, one of A's nodes restarted empty,
+/// client B (a fresh Redlock that never used that node) must not get the lock while A's
+/// guard holds. Restart guard on, `max_lease` = the TTL (the default). A's watchdog is off,
+/// so A's guard holds for exactly its validity (with it on, A's next extension would be
+/// refused by the restarted node and A would learn it lost the lock within ttl/3).
+///
+/// FAILS (library bug, see
+/// `restart_guard_bug_restarted_node_counts_before_max_lease_because_uptime_is_whole_seconds`):
+/// the restarted node counts again after less than `max_lease` of uptime, while A's lease
+/// still holds, and B gets N0 + N3 + N4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_restart_test_b_must_not_get_the_lock_while_a_holds_on_3_of_5() {
+    let mut servers = start(5);
+    let ttl = secs(2);
+    let opts = RedlockOptions::new().node_timeout(NODE_TIMEOUT);
+    assert!(opts.get_restart_guard());
+    // Every node must have been up for max_lease (= ttl) to count at all.
+    wait_uptime(&servers, 2).await;
+    let a = manager(
+        &servers,
+        LockOptions::new().ttl(ttl).watchdog(false),
+        opts.clone(),
+    )
+    .await;
+    // Restarting late in a wall-clock second (see the bug test above); any time must do.
+    wall_clock_into_second(550, 700).await;
+    let a_guard = hold_on_exactly_three(&servers, &a.lock("issue-restart")).await;
+    let restarted = Instant::now();
+    servers[0].restart();
+    let b = manager(&servers, LockOptions::new().ttl(ttl), opts).await;
+    let c = contest(&b, &a_guard, &servers[0]).await;
+
+    let got = c
+        .b_got_at
+        .expect("B never got the lock, even after A's lease ran out");
+    eprintln!(
+        "B got the lock after {} attempts, {:?} after N0's restart, {:?} after A's deadline \
+         (A lost: {}; N0 reported uptime_in_seconds={:?})",
+        c.attempts,
+        got - restarted,
+        got.checked_duration_since(c.a_valid_until).map_or_else(
+            || format!("-{:?}", c.a_valid_until - got),
+            |d| format!("{d:?}")
+        ),
+        c.a_lost,
+        c.restarted_uptime
+    );
+    assert!(c.b_token > a_guard.fencing_token());
+    assert!(
+        got >= c.a_valid_until,
+        "B got the lock {:?} before A's guard ran out, {:?} after N0 restarted empty (N0 \
+         reported uptime_in_seconds={:?}, max_lease {ttl:?}): two holders",
+        c.a_valid_until - got,
+        got - restarted,
+        c.restarted_uptime
+    );
 }
 
 /// The same with the restart guard off: B gets the lock at once while A's guard holds, so
@@ -461,7 +686,7 @@ async fn without_restart_guard_b_gets_the_lock_while_a_still_holds_on_3_of_5() {
     let restarted = Instant::now();
     servers[0].restart();
     let b = manager(&servers, LockOptions::new().ttl(ttl), guard_off()).await;
-    let c = contest(&b, &a_guard).await;
+    let c = contest(&b, &a_guard, &servers[0]).await;
     let got = c.b_got_at.expect("B never got the lock");
     eprintln!(
         "without the guard B got the lock after {} attempt(s), {:?} after N0's restart, {:?} \
@@ -645,6 +870,56 @@ async fn a_refused_node_is_skipped_fast_at_connect_and_at_acquire() {
         t.elapsed()
     );
     assert_quorum_error(&err, 1, 2);
+}
+
+/// A refused node must cost nothing, also in a round it decides: with one live node of
+/// three, the two refused nodes fail at once and `try_acquire` should report
+/// `QuorumNotReached` at once.
+///
+/// FAILS (library bug): `Redlock::round` puts every node that answered with an error into
+/// the clean-up list ("it may have granted all the same"), including nodes that failed fast
+/// because they were not connected and so never received the attempt. The clean-up is a
+/// plain `release`, which has no fail-fast: on a node that is not connected it waits for the
+/// connection until the command timeout, and the clean-up fan-out waits for it up to the
+/// node timeout. So every round that is not won (too few nodes, or contention) costs
+/// min(node timeout, command timeout) when a node is down, before the retry or the answer.
+/// Here ~2 s with a 2 s node timeout, where the answer was known at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_node_bug_a_lost_round_waits_the_node_timeout_to_clean_up_on_refused_nodes() {
+    let live = RedisServer::start();
+    let node_timeout = secs(2);
+    let redis = redis_opts().command_timeout(secs(5));
+    let mut nodes = vec![RedisBackend::connect_with(&live.url(), redis.clone())
+        .await
+        .expect("connect")];
+    for _ in 0..2 {
+        let url = format!("redis://127.0.0.1:{}", dead_port());
+        nodes.push(
+            RedisBackend::connect_lazy(&url, redis.clone())
+                .await
+                .expect("lazy"),
+        );
+    }
+    let opts = guard_off().node_timeout(node_timeout).retries(0);
+    let redlock = Redlock::with_options(nodes, opts).expect("options");
+    let m = LockManager::with_options(redlock, LockOptions::new().ttl(secs(10))).expect("options");
+    let lock = m.lock("dead-decides");
+    let key = lock.key().as_str().to_string();
+    let t = Instant::now();
+    let err = within("try_acquire", secs(10), lock.try_acquire())
+        .await
+        .expect_err("1 of 3 is no quorum");
+    let took = t.elapsed();
+    eprintln!("1 live + 2 refused nodes: {err} after {took:?} (node timeout {node_timeout:?})");
+    assert_quorum_error(&err, 1, 2);
+    assert!(
+        !exists(&live, &key),
+        "the grant on the live node was taken back"
+    );
+    assert!(
+        took < node_timeout / 2,
+        "try_acquire took {took:?}: the clean-up waited for the refused nodes"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
