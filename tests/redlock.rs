@@ -1158,7 +1158,8 @@ async fn checker_1000_sections_from_four_managers_while_nodes_are_killed_paused_
     let began = Instant::now();
     let chaos_stop = stop.clone();
     let chaos = std::thread::spawn(move || chaos(servers, &chaos_stop));
-    let enough = support::wait_for_async(secs(14), || checker.sections() >= TARGET).await;
+    // 7-16 s seen on 2 shared cores under load; the limit is a stall bound.
+    let enough = support::wait_for_async(secs(20), || checker.sections() >= TARGET).await;
     stop.store(true, Ordering::SeqCst);
     for w in workers {
         within("a worker to stop", secs(10), w)
@@ -1173,7 +1174,7 @@ async fn checker_1000_sections_from_four_managers_while_nodes_are_killed_paused_
         checker.violations()
     );
     drop(servers);
-    assert!(enough, "only {} sections in 14 s", checker.sections());
+    assert!(enough, "only {} sections in 20 s", checker.sections());
     checker.assert_ok();
     assert!(
         faults.kills + faults.pauses >= 5 && faults.restarts >= 1,
