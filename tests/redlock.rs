@@ -112,11 +112,12 @@ fn uptime(srv: &RedisServer) -> u64 {
         .unwrap_or_else(|| panic!("no uptime_in_seconds from port {}", srv.port()))
 }
 
-/// Waits until every server reports `uptime_in_seconds >= at_least`. This waits for time to
+/// Waits until every server counts as up for `at_least` seconds: it reports more than that
+/// (the restart guard takes one second off the uptime Redis reports). This waits for time to
 /// pass on purpose: the restart guard keeps younger nodes out of every majority.
 async fn wait_uptime(servers: &[RedisServer], at_least: u64) {
-    let deadline = Instant::now() + secs(at_least + 5);
-    while !servers.iter().all(|s| uptime(s) >= at_least) {
+    let deadline = Instant::now() + secs(at_least + 6);
+    while !servers.iter().all(|s| uptime(s) > at_least) {
         assert!(
             Instant::now() < deadline,
             "servers did not reach {at_least} s of uptime"
@@ -247,7 +248,7 @@ async fn two_of_five_killed_the_three_survivors_grant_extend_exclude_and_release
     );
 
     // Another manager is excluded, whether it tries once or waits. (How it is told so is
-    // checked in contention_bug_with_a_minority_down_is_reported_as_quorum_not_reached.)
+    // checked in contention_with_a_minority_down_is_contention_not_quorum_not_reached.)
     let other = b.lock("two-down");
     let a_value = get(&servers[0], &key).expect("A's lease");
     match within("B's attempt", secs(5), other.try_acquire()).await {
@@ -291,15 +292,10 @@ async fn two_of_five_killed_the_three_survivors_grant_extend_exclude_and_release
 /// the 3 survivors of 5, B's `try_acquire` must be `Ok(None)` and B's waiting `acquire` must
 /// wait for A's release and then get the lock.
 ///
-/// FAILS (library bug): in `Redlock::round` the fan-out stops as soon as
-/// `refused > n - q`, where `refused` counts "held" answers and errors alike. The two dead
-/// nodes fail at once (fail-fast), so the first "held" answer ends the round; the other two
-/// "held" answers are never read. The round is then classified by
-/// `answered = granted + held >= q` (here 0 + 1 < 3): not `Held` but `Unavailable`, so it
-/// retries and gives up with `QuorumNotReached { acquired: 0 }`. A waiting acquire
-/// propagates that error instead of waiting for the holder.
+/// (The two dead nodes fail at once, so a round is decided on the first "held" answer: it
+/// must count as contention, not as too few nodes answering.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn contention_bug_with_a_minority_down_is_reported_as_quorum_not_reached() {
+async fn contention_with_a_minority_down_is_contention_not_quorum_not_reached() {
     let mut servers = start(5);
     let opts = guard_off().retry_delay(ms(20));
     let a = manager(&servers, LockOptions::new().ttl(secs(2)), opts.clone()).await;
@@ -464,15 +460,13 @@ async fn nodes_restarted_empty_rejoin_and_acquisitions_succeed_again() {
 /// With the restart guard on, a restarted node counts toward no quorum until it has been up
 /// for `max_lease`, and then counts again.
 ///
-/// FAILS (library bug): acquire.lua and extend.lua compare `1000 * uptime_in_seconds` with
-/// the minimum uptime, but Redis reports `uptime_in_seconds` as the difference of two
-/// wall-clock times truncated to whole seconds. A server started late in a second reports
-/// one more second than it has been up within a few hundred ms, so the node counts up to
-/// one second before `max_lease` has passed. The restart here is timed late in a second
-/// (any restart time must be safe), which makes the failure deterministic.
+/// Redis reports `uptime_in_seconds` as the difference of two wall-clock times truncated to
+/// whole seconds: a server started late in a second reports one more second than it has
+/// been up within a few hundred ms. The scripts take one second off. The restart here is
+/// timed late in a second (any restart time must be safe), where counting the reported
+/// uptime as is would let the node count before `max_lease`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restart_guard_bug_restarted_node_counts_before_max_lease_because_uptime_is_whole_seconds()
-{
+async fn a_restarted_node_counts_only_after_max_lease_even_when_restarted_late_in_a_second() {
     let mut servers = start(5);
     let max_lease = secs(2);
     let opts = RedlockOptions::new()
@@ -616,10 +610,10 @@ async fn contest(b: &LockManager, a_guard: &LockGuard, restarted: &RedisServer) 
 /// so A's guard holds for exactly its validity (with it on, A's next extension would be
 /// refused by the restarted node and A would learn it lost the lock within ttl/3).
 ///
-/// FAILS (library bug, see
-/// `restart_guard_bug_restarted_node_counts_before_max_lease_because_uptime_is_whole_seconds`):
-/// the restarted node counts again after less than `max_lease` of uptime, while A's lease
-/// still holds, and B gets N0 + N3 + N4.
+/// The restart is timed late in a wall-clock second, where a guard that counted Redis'
+/// whole-second uptime as is would let the node count early (see
+/// `a_restarted_node_counts_only_after_max_lease_even_when_restarted_late_in_a_second`) and
+/// B would get N0 + N3 + N4.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue_restart_test_b_must_not_get_the_lock_while_a_holds_on_3_of_5() {
     let mut servers = start(5);
@@ -634,7 +628,7 @@ async fn issue_restart_test_b_must_not_get_the_lock_while_a_holds_on_3_of_5() {
         opts.clone(),
     )
     .await;
-    // Restarting late in a wall-clock second (see the bug test above); any time must do.
+    // Restarting late in a wall-clock second (see the test above); any time must do.
     wall_clock_into_second(550, 700).await;
     let a_guard = hold_on_exactly_three(&servers, &a.lock("issue-restart")).await;
     let restarted = Instant::now();
@@ -874,16 +868,11 @@ async fn a_refused_node_is_skipped_fast_at_connect_and_at_acquire() {
 /// three, the two refused nodes fail at once and `try_acquire` should report
 /// `QuorumNotReached` at once.
 ///
-/// FAILS (library bug): `Redlock::round` puts every node that answered with an error into
-/// the clean-up list ("it may have granted all the same"), including nodes that failed fast
-/// because they were not connected and so never received the attempt. The clean-up is a
-/// plain `release`, which has no fail-fast: on a node that is not connected it waits for the
-/// connection until the command timeout, and the clean-up fan-out waits for it up to the
-/// node timeout. So every round that is not won (too few nodes, or contention) costs
-/// min(node timeout, command timeout) when a node is down, before the retry or the answer.
-/// Here ~2 s with a 2 s node timeout, where the answer was known at once.
+/// Nodes that failed fast (not connected) never received the attempt, so there is nothing
+/// to clean up there, and a lost round must not wait for them (with a 2 s node timeout,
+/// waiting would show as ~2 s per round).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_node_bug_a_lost_round_waits_the_node_timeout_to_clean_up_on_refused_nodes() {
+async fn a_lost_round_does_not_wait_to_clean_up_on_refused_nodes() {
     let live = RedisServer::start();
     let node_timeout = secs(2);
     let redis = redis_opts().command_timeout(secs(5));
@@ -1059,7 +1048,7 @@ fn chaos(mut servers: Vec<RedisServer>, stop: &AtomicBool) -> (Vec<RedisServer>,
                     srv.resume();
                     state[i] = Node::Up;
                 }
-                Node::Warming if uptime(srv) >= 2 => state[i] = Node::Up,
+                Node::Warming if uptime(srv) > 2 => state[i] = Node::Up,
                 _ => {}
             }
         }
@@ -1105,8 +1094,8 @@ async fn checker_1000_sections_from_four_managers_while_nodes_are_killed_paused_
     let urls = urls(&servers);
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     // Restart guard on: a restarted node is empty. max_lease 2 s: the node counts once it
-    // reports 2 s of uptime, which is more than 1 s of real uptime (whole seconds, see the
-    // bug test above), still more than the 800 ms TTL.
+    // reports 3 s of uptime (one second is taken off for Redis' whole-second uptime), well
+    // past the 800 ms TTL.
     let ttl = ms(800);
     let opts = RedlockOptions::new()
         .node_timeout(ms(100))

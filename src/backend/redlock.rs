@@ -510,14 +510,16 @@ impl Redlock {
                 },
             )
             .await;
+        // Decided before the timeout: nodes that had not answered yet are not slow ones.
+        let cut_short = started.elapsed() < timeout;
         let votes = Votes::of(&replies);
 
         let mut granted = Vec::new();
         let mut held: Option<Duration> = None;
         let mut warming: Option<Duration> = None;
-        // Nodes that may hold our token now, and answer: these are released and waited for.
+        // Nodes that may hold our token now and are answering: released and waited for.
         let mut known = Vec::new();
-        // Nodes that may hold it and did not answer: released, not waited for.
+        // Nodes that may hold it and are slow or failing: released, not waited for.
         let mut unknown = Vec::new();
         for (i, reply) in replies.iter().enumerate() {
             match reply {
@@ -541,6 +543,8 @@ impl Redlock {
                 }
                 // Failed before anything was sent: nothing to take back.
                 Some(Err(e)) if not_sent(e) => {}
+                // Not answered yet when the round was decided: it may grant any moment.
+                None if cut_short => known.push(i),
                 // Failed or silent: it may have granted all the same.
                 Some(Err(_)) | None => unknown.push(i),
             }
