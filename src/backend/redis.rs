@@ -63,6 +63,52 @@ enum Op {
     Release(ReleaseReq),
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Acquire,
+    Fair,
+    Release,
+}
+
+impl Op {
+    fn kind(&self) -> Kind {
+        match self {
+            Op::Acquire(_) => Kind::Acquire,
+            Op::Fair(_) => Kind::Fair,
+            Op::Release(_) => Kind::Release,
+        }
+    }
+
+    fn key(&self) -> &LeaseKey {
+        match self {
+            Op::Acquire(r) => &r.key,
+            Op::Fair(r) => &r.key,
+            Op::Release(r) => &r.key,
+        }
+    }
+
+    fn into_acquire(self) -> Option<AcquireReq> {
+        match self {
+            Op::Acquire(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn into_fair(self) -> Option<FairReq> {
+        match self {
+            Op::Fair(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn into_release(self) -> Option<ReleaseReq> {
+        match self {
+            Op::Release(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
 enum Reply {
     Acquire(Acquire),
     Release(bool),
@@ -578,40 +624,46 @@ impl RedisBackend {
             .await
     }
 
-    /// Sends queued operations in their order: each run of one kind is one script call, and
-    /// a run is sent only after the one before it was answered.
+    /// Sends queued operations as few script calls as their order allows: operations on
+    /// different keys may be regrouped freely, those on one key run in the order they were
+    /// made. Each operation joins the first phase of its kind that is not before its key's
+    /// previous operation (the same phase if of the same kind: a script runs its entries in
+    /// order); phases are sent one after the other. Distinct keys (the common case) make at
+    /// most one phase per kind.
     async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Reply>> {
-        let mut out = Vec::with_capacity(ops.len());
-        let mut ops = ops.into_iter().peekable();
-        while let Some(first) = ops.next() {
-            match first {
-                Op::Acquire(r) => {
-                    let mut run = vec![r];
-                    while let Some(Op::Acquire(r)) = ops.next_if(|o| matches!(o, Op::Acquire(_))) {
-                        run.push(r);
-                    }
-                    let replies = self.clone().acquire_batch(run).await?;
-                    out.extend(replies.into_iter().map(Reply::Acquire));
+        let count = ops.len();
+        let phases = phases(ops.iter().map(|op| (op.kind(), op.key().as_str())));
+        let mut slots: Vec<Option<Op>> = ops.into_iter().map(Some).collect();
+        let mut out: Vec<Option<Reply>> = (0..count).map(|_| None).collect();
+        for (kind, idx) in phases {
+            let taken = idx.iter().filter_map(|&i| slots[i].take());
+            let replies: Vec<Reply> = match kind {
+                Kind::Acquire => {
+                    let reqs = taken.filter_map(Op::into_acquire).collect();
+                    let replies = self.clone().acquire_batch(reqs).await?;
+                    replies.into_iter().map(Reply::Acquire).collect()
                 }
-                Op::Fair(r) => {
-                    let mut run = vec![r];
-                    while let Some(Op::Fair(r)) = ops.next_if(|o| matches!(o, Op::Fair(_))) {
-                        run.push(r);
-                    }
-                    let replies = self.clone().fair_batch(run).await?;
-                    out.extend(replies.into_iter().map(Reply::Acquire));
+                Kind::Fair => {
+                    let reqs = taken.filter_map(Op::into_fair).collect();
+                    let replies = self.clone().fair_batch(reqs).await?;
+                    replies.into_iter().map(Reply::Acquire).collect()
                 }
-                Op::Release(r) => {
-                    let mut run = vec![r];
-                    while let Some(Op::Release(r)) = ops.next_if(|o| matches!(o, Op::Release(_))) {
-                        run.push(r);
-                    }
-                    let replies = self.clone().release_batch(run).await?;
-                    out.extend(replies.into_iter().map(Reply::Release));
+                Kind::Release => {
+                    let reqs = taken.filter_map(Op::into_release).collect();
+                    let replies = self.clone().release_batch(reqs).await?;
+                    replies.into_iter().map(Reply::Release).collect()
                 }
+            };
+            if replies.len() != idx.len() {
+                return Err(Error::backend("a batched call returned the wrong count"));
+            }
+            for (i, reply) in idx.into_iter().zip(replies) {
+                out[i] = Some(reply);
             }
         }
-        Ok(out)
+        out.into_iter()
+            .map(|r| r.ok_or_else(|| Error::backend("a batched operation got no reply")))
+            .collect()
     }
 
     /// Fails at once when the connection is down and the caller asked to (a quorum member
@@ -652,6 +704,27 @@ impl RedisBackend {
         }
         groups
     }
+}
+
+/// Groups operations `(kind, key)` into phases (see `RedisBackend::ops_batch`): indices per
+/// phase, in order.
+fn phases<'a>(ops: impl Iterator<Item = (Kind, &'a str)>) -> Vec<(Kind, Vec<usize>)> {
+    let mut phases: Vec<(Kind, Vec<usize>)> = Vec::new();
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for (i, (kind, key)) in ops.enumerate() {
+        let after = last.get(key).copied();
+        let fits = |p: usize| phases[p].0 == kind && after.is_none_or(|a| p >= a);
+        let phase = match (0..phases.len()).find(|&p| fits(p)) {
+            Some(p) => p,
+            None => {
+                phases.push((kind, Vec::new()));
+                phases.len() - 1
+            }
+        };
+        phases[phase].1.push(i);
+        last.insert(key, phase);
+    }
+    phases
 }
 
 fn ms(d: Duration) -> i64 {
@@ -944,5 +1017,30 @@ impl Drop for Unsubscribe {
                 let _ = pubsub.client.unsubscribe(channel).await;
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{phases, Kind};
+
+    #[test]
+    fn distinct_keys_make_one_phase_per_kind_and_one_key_keeps_its_order() {
+        use Kind::{Acquire as A, Release as R};
+        // Distinct keys, interleaved kinds: one acquire phase, one release phase.
+        let ops = [(A, "a"), (R, "b"), (A, "c"), (R, "d"), (A, "e")];
+        assert_eq!(
+            phases(ops.into_iter()),
+            vec![(A, vec![0, 2, 4]), (R, vec![1, 3])]
+        );
+        // One key released then acquired again: the acquire waits for a later phase.
+        let ops = [(A, "a"), (R, "k"), (A, "k"), (R, "b")];
+        assert_eq!(
+            phases(ops.into_iter()),
+            vec![(A, vec![0]), (R, vec![1, 3]), (A, vec![2])]
+        );
+        // The same kind twice on one key shares a phase (a script runs entries in order).
+        let ops = [(R, "k"), (R, "k"), (A, "x")];
+        assert_eq!(phases(ops.into_iter()), vec![(R, vec![0, 1]), (A, vec![2])]);
     }
 }
