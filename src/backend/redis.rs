@@ -632,7 +632,12 @@ impl RedisBackend {
     /// most one phase per kind.
     async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Reply>> {
         let count = ops.len();
-        let phases = phases(ops.iter().map(|op| (op.kind(), op.key().as_str())));
+        let phases = if count == 1 {
+            // A lone call (the inline path): no grouping to do.
+            ops.iter().map(|op| (op.kind(), vec![0])).collect()
+        } else {
+            phases(ops.iter().map(|op| (op.kind(), op.key().as_str())))
+        };
         let mut slots: Vec<Option<Op>> = ops.into_iter().map(Some).collect();
         let mut out: Vec<Option<Reply>> = (0..count).map(|_| None).collect();
         for (kind, idx) in phases {
