@@ -330,6 +330,32 @@ struct Flight {
     done: Event,
     callers: AtomicUsize,
     gone: Event,
+    /// With no runtime to spawn on, the flight's future, driven by its callers (each holds
+    /// a strong clone; this weak one lets later callers join). Unset when it was spawned.
+    driver: OnceLock<WeakDriver>,
+}
+
+/// A flight's future driven by its callers (see [`caller_runtime`]).
+type Driver = future::Shared<BoxFuture<'static, ()>>;
+type WeakDriver = future::WeakShared<BoxFuture<'static, ()>>;
+
+/// The runtime to run a flight on: the caller's. `None` when the caller runs none that the
+/// crate can spawn on (only the `tokio` feature, called from `futures::executor::block_on`
+/// or the like): the flight is then driven inside the callers' own futures, never on the
+/// crate's private runtime, whose one thread runs the watchdog and pub/sub handlers of every
+/// lease in the process and must not run user code.
+fn caller_runtime() -> Option<Rt> {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        return Some(Rt::Tokio(handle));
+    }
+    #[cfg(any(feature = "smol", feature = "async-std"))]
+    {
+        Some(Rt::current())
+    }
+    #[cfg(not(any(feature = "smol", feature = "async-std")))]
+    {
+        None
+    }
 }
 
 impl Flight {
@@ -601,16 +627,42 @@ impl Cache {
         let inner = &self.inner;
         bump(&inner.stats.calls);
         let fkey = (key.to_owned(), kind);
-        let (flight, created) = inner.join(&fkey);
-        let ticket = Ticket(flight.clone());
-        if created {
-            let task = Inner::run_flight(inner.clone(), flight.clone(), fkey, ttl, load);
-            Rt::current().spawn(task);
-        } else {
-            bump(&inner.stats.coalesced);
+        let rt = caller_runtime();
+        let joined = inner.join(&fkey, rt.is_none(), ttl, load);
+        let ticket = Ticket(joined.flight.clone());
+        let mut driver = joined.driver;
+        match (joined.spawn, rt) {
+            (Some(task), Some(rt)) => rt.spawn(task),
+            // Not reached: a flight is spawned only when there is a runtime.
+            (Some(task), None) => drop(task),
+            (None, _) if !joined.created => bump(&inner.stats.coalesced),
+            (None, _) => {}
         }
+        // Unused: another caller's loader runs (dropped here, outside the map's lock).
+        drop(joined.unused);
+        // Validated options: the deadline is always representable.
         let deadline = began.checked_add(inner.options.wait_timeout);
-        let outcome = runtime::until(deadline, ticket.0.wait()).await;
+        let flight = &ticket.0;
+        let outcome = match driver.take() {
+            None => runtime::until(deadline, flight.wait()).await,
+            // The caller that started an unspawned flight drives it to its end (a background
+            // refresh included, within its wait_timeout), then answers.
+            Some(d) if joined.created => {
+                let _ = runtime::until(deadline, d).await;
+                flight.outcome.get().cloned()
+            }
+            // Others drive it until their answer is there; a flight whose callers have all
+            // left is dropped (its lease released, its waiters told).
+            Some(d) => {
+                let wait = pin!(flight.wait());
+                runtime::until(deadline, future::select(d, wait))
+                    .await
+                    .and_then(|either| match either {
+                        future::Either::Left(((), _)) => flight.outcome.get().cloned(),
+                        future::Either::Right((o, _)) => Some(o),
+                    })
+            }
+        };
         drop(ticket);
         match outcome {
             None => Err(Fail::Cache(Error::Timeout {
@@ -621,6 +673,18 @@ impl Cache {
             Some(Outcome::Failed(e)) => Err(Fail::Cache(duplicate(&e))),
         }
     }
+}
+
+/// A caller's place, from [`Inner::join`].
+struct Joined {
+    flight: Arc<Flight>,
+    created: bool,
+    /// The new flight's task, to spawn on the caller's runtime.
+    spawn: Option<BoxFuture<'static, ()>>,
+    /// The flight's future, when the callers drive it.
+    driver: Option<Driver>,
+    /// The loader, if this caller joined a flight that has its own.
+    unused: Option<Loader>,
 }
 
 /// How a flight ended.
@@ -661,7 +725,9 @@ impl Drop for Finish {
     fn drop(&mut self) {
         if !self.done {
             let e = Error::LoadFailed {
-                message: "the computation was dropped (its runtime shut down)".into(),
+                message: "the computation was dropped (its runtime shut down, or every caller \
+                          of a flight driven by its callers left)"
+                    .into(),
             };
             self.inner
                 .finish(&self.fkey, &self.flight, Outcome::Failed(Arc::new(e)));
@@ -679,21 +745,65 @@ impl Drop for Refreshing<'_> {
 }
 
 impl Inner {
-    /// Joins the flight of `fkey`, or starts one (`true`).
-    fn join(&self, fkey: &FlightKey) -> (Arc<Flight>, bool) {
+    /// Joins the flight of `fkey`, or starts one with `load`: spawned (`inline` false) or
+    /// driven by its callers. The flight's end ([`Finish`]) exists before its task is
+    /// spawned, so a task dropped before its first poll (its runtime shut down) still ends
+    /// the flight instead of leaving it in the map for every later caller to time out on.
+    fn join(
+        self: &Arc<Self>,
+        fkey: &FlightKey,
+        inline: bool,
+        ttl: Duration,
+        load: Loader,
+    ) -> Joined {
         let mut flights = locked(&self.flights);
         if let Some(f) = flights.get(fkey) {
-            f.callers.fetch_add(1, Ordering::AcqRel);
-            return (f.clone(), false);
+            // A driven flight whose callers have all gone is being dropped: start anew.
+            let driver = f.driver.get().map(|w| w.upgrade());
+            if !matches!(driver, Some(None)) {
+                f.callers.fetch_add(1, Ordering::AcqRel);
+                return Joined {
+                    flight: f.clone(),
+                    created: false,
+                    spawn: None,
+                    driver: driver.flatten(),
+                    unused: Some(load),
+                };
+            }
         }
-        let f = Arc::new(Flight {
+        let flight = Arc::new(Flight {
             outcome: OnceLock::new(),
             done: Event::new(),
             callers: AtomicUsize::new(1),
             gone: Event::new(),
+            driver: OnceLock::new(),
         });
-        flights.insert(fkey.clone(), f.clone());
-        (f, true)
+        let finish = Finish {
+            inner: self.clone(),
+            flight: flight.clone(),
+            fkey: fkey.clone(),
+            done: false,
+        };
+        let task = Inner::run_flight(finish, ttl, load).boxed();
+        let (spawn, driver) = if inline {
+            // Polled in a tokio context (the private runtime's) so that tokio timers work,
+            // but on the caller's thread.
+            let driver = runtime::in_tokio(task).boxed().shared();
+            if let Some(weak) = driver.downgrade() {
+                let _ = flight.driver.set(weak);
+            }
+            (None, Some(driver))
+        } else {
+            (Some(task), None)
+        };
+        flights.insert(fkey.clone(), flight.clone());
+        Joined {
+            flight,
+            created: true,
+            spawn,
+            driver,
+            unused: None,
+        }
     }
 
     /// Takes the flight out of the map (later callers start a new one), then hands the
@@ -740,20 +850,10 @@ impl Inner {
 
     /// The flight's task: read, wait or compute, hand the outcome to the callers, then
     /// refresh in the background if the value called for it.
-    async fn run_flight(
-        inner: Arc<Inner>,
-        flight: Arc<Flight>,
-        fkey: FlightKey,
-        ttl: Duration,
-        load: Loader,
-    ) {
-        let lock = inner.locks.lock(&fkey.0);
-        let mut finish = Finish {
-            inner: inner.clone(),
-            flight: flight.clone(),
-            fkey,
-            done: false,
-        };
+    async fn run_flight(mut finish: Finish, ttl: Duration, load: Loader) {
+        let inner = finish.inner.clone();
+        let flight = finish.flight.clone();
+        let lock = inner.locks.lock(&finish.fkey.0);
         let mut load = Some(load);
         let resolved = inner
             .resolve(&flight, &finish.fkey, &lock, ttl, &mut load)

@@ -607,3 +607,79 @@ fn works_under_smol_without_a_tokio_runtime() {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     });
 }
+
+/// A flight whose task was spawned on a runtime that shut down before polling it: the
+/// flight must end with it, not stay in the map for every later caller to time out on.
+#[test]
+fn a_flight_dropped_before_its_first_poll_does_not_wedge_the_key() {
+    let srv = RedisServer::start();
+    // Connected outside both runtimes: the connection lives on the crate's own runtime and
+    // survives the first runtime's shutdown.
+    let backend = futures::executor::block_on(RedisBackend::connect(&srv.url())).unwrap();
+    let cache = Cache::with_options(backend, opts().wait_timeout(Duration::from_secs(5))).unwrap();
+    let first = Origin::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let call = cache.get_with("d", TTL, first.load("never", Duration::ZERO));
+        let mut call = std::pin::pin!(call);
+        // One poll spawns the flight's task; the current-thread runtime has not run it.
+        assert!(futures::poll!(call.as_mut()).is_pending());
+    });
+    drop(rt); // the queued task is dropped unpolled
+    assert_eq!(first.calls(), 0);
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let began = Instant::now();
+    let origin = Origin::new();
+    let v = rt
+        .block_on(cache.get_with("d", TTL, origin.load("ok", Duration::ZERO)))
+        .expect("a new flight computes instead of joining the dropped one");
+    assert_eq!(&v[..], b"ok");
+    assert_eq!(origin.calls(), 1);
+    assert!(
+        began.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        began.elapsed()
+    );
+}
+
+/// Only the tokio feature and no runtime in the caller: the loader runs in the caller's
+/// own future (its thread), not on the crate's private runtime, whose one thread runs the
+/// watchdog and pub/sub handlers of every lease in the process.
+#[cfg(not(any(feature = "smol", feature = "async-std")))]
+#[test]
+fn off_runtime_the_loader_runs_on_the_callers_thread() {
+    let srv = RedisServer::start();
+    futures::executor::block_on(async {
+        let backend = RedisBackend::connect(&srv.url()).await.unwrap();
+        let cache = Cache::with_options(backend, opts()).unwrap();
+        let me = std::thread::current().id();
+        let ran_on = Arc::new(std::sync::Mutex::new(None));
+        let v = cache
+            .get_with("off", TTL, {
+                let ran_on = ran_on.clone();
+                move || async move {
+                    *ran_on.lock().unwrap() = Some(std::thread::current().id());
+                    // tokio timers work in the loader (a tokio context is entered).
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    "v"
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(&v[..], b"v");
+        assert_eq!(*ran_on.lock().unwrap(), Some(me));
+        // Cached: another off-runtime call reads it.
+        let again = cache
+            .get_with("off", TTL, || async { "unused" })
+            .await
+            .unwrap();
+        assert_eq!(&again[..], b"v");
+    });
+}
