@@ -28,11 +28,16 @@ use crate::{MemoryBackend, RedisBackend};
 mod store;
 
 pub(crate) use store::MemoryValues;
-use store::{Cached, Fill, MemoryStore, RedisStore, Store};
+use store::{Cached, Failure, Fill, MemoryStore, Read, RedisStore, Store};
 
 /// The largest factor `-ln(u)` may reach in XFetch's early-refresh test: a very small random
 /// draw would otherwise refresh absurdly early (the Internet Archive harness' lesson).
 const XFETCH_CAP: f64 = 14.0;
+
+/// After a background refresh failed, no other starts for this long (or the lease TTL, if
+/// shorter): with the origin down in the stale window, flights serve the stale value instead
+/// of each starting a refresh.
+const REFRESH_COOLDOWN: Duration = Duration::from_secs(1);
 
 /// Settings of a [`Cache`]; every setter says its default.
 ///
@@ -693,7 +698,8 @@ enum Resolved {
     Value(Bytes),
     /// A value to serve now while it is refreshed in the background (stale, or picked for
     /// early refresh), with the lease if this flight holds it already.
-    Serve(Bytes, Duration, Option<LockGuard>),
+    /// Carries the round that wrote the value, to tell whether another refreshed it since.
+    Serve(Bytes, Option<u64>, Option<Round>),
     Failed(Outcome),
     /// Every caller left while another process computed: nothing to do.
     Unwatched,
@@ -832,20 +838,45 @@ impl Inner {
         true
     }
 
-    fn judge(&self, v: &Cached) -> Judged {
+    /// What value `v` calls for, `u` being a uniform draw in (0, 1] (XFetch's `rand`).
+    /// Pure, so both sides of the threshold can be tested.
+    fn judge(v: &Cached, xfetch_beta: Option<f64>, u: f64) -> Judged {
+        if v.cooldown {
+            // A refresh failed lately: serve what is there until the cooldown ends.
+            return Judged::Fresh;
+        }
         if !v.grace.is_zero() && v.pttl <= v.grace {
             return Judged::Refresh;
         }
-        if let Some(beta) = self.options.xfetch_beta {
+        if let Some(beta) = xfetch_beta {
             let fresh_left = v.pttl.saturating_sub(v.grace).as_secs_f64();
-            // u in (0, 1], so -ln(u) is finite and >= 0.
-            let u = 1.0 - rand::random::<f64>();
             let x = (-u.ln()).min(XFETCH_CAP);
             if v.delta.as_secs_f64() * beta * x >= fresh_left {
                 return Judged::Refresh;
             }
         }
         Judged::Fresh
+    }
+
+    /// [`judge`](Self::judge) with a fresh random draw.
+    fn judge_now(&self, v: &Cached) -> Judged {
+        // u in (0, 1], so -ln(u) is finite and >= 0.
+        let u = 1.0 - rand::random::<f64>();
+        Self::judge(v, self.options.xfetch_beta, u)
+    }
+
+    /// How long no background refresh starts after one failed.
+    fn cooldown(&self) -> Duration {
+        self.options.lease_ttl.min(REFRESH_COOLDOWN)
+    }
+
+    /// A lease this flight took, as a compute round.
+    fn round(&self, guard: LockGuard, key: &crate::LeaseKey) -> Round {
+        Round {
+            key: key.clone(),
+            guard: Some(guard),
+            store: self.store.clone(),
+        }
     }
 
     /// The flight's task: read, wait or compute, hand the outcome to the callers, then
@@ -862,11 +893,16 @@ impl Inner {
             Ok(Resolved::Value(bytes)) => finish.publish(Outcome::Value(bytes)),
             Ok(Resolved::Failed(outcome)) => finish.publish(outcome),
             Ok(Resolved::Unwatched) => finish.done = true,
-            Ok(Resolved::Serve(bytes, pttl, guard)) => {
+            Ok(Resolved::Serve(bytes, seen, round)) => {
                 bump(&inner.stats.served_stale);
                 finish.publish(Outcome::Value(bytes));
-                if let Some(load) = load.take() {
-                    inner.refresh(&lock, ttl, pttl, guard, load).await;
+                match load.take() {
+                    Some(load) => inner.refresh(&lock, ttl, seen, round, load).await,
+                    None => {
+                        if let Some(round) = round {
+                            round.end().await;
+                        }
+                    }
                 }
             }
             Err(e) => finish.publish(Outcome::Failed(Arc::new(e))),
@@ -885,49 +921,80 @@ impl Inner {
         // The round (the holder's fencing token) this flight waits on, once it has seen one.
         let mut awaited: Option<u64> = None;
         let mut sub: Option<Subscription> = None;
+        let mut retry = Backoff::new(self.options.wait_timeout);
         loop {
             // Armed before the read, so a fill between the read and the wait is not missed.
             let woken = sub.as_ref().map(Subscription::listen);
-            let read = self.store.read(key, awaited).await?;
+            let read = match self.store.read(key, awaited).await {
+                Ok(read) => read,
+                Err(e) => {
+                    retry.pause(e, key).await?;
+                    continue;
+                }
+            };
+            retry.reset();
             if let Some(v) = read.value {
-                return Ok(match self.judge(&v) {
+                return Ok(match self.judge_now(&v) {
                     Judged::Fresh => Resolved::Value(v.bytes),
-                    Judged::Refresh => Resolved::Serve(v.bytes, v.pttl, None),
+                    Judged::Refresh => Resolved::Serve(v.bytes, v.round, None),
                 });
             }
             if let Some(message) = read.failed {
                 let e = Error::LoadFailed { message };
                 return Ok(Resolved::Failed(Outcome::Failed(Arc::new(e))));
             }
-            let Some(round) = read.round else {
+            if !read.held {
                 // Nobody computes: take the lease, check again (another process may have
                 // filled the value between the read and now), and compute.
-                let Some(guard) = lock.try_acquire().await? else {
-                    continue;
-                };
-                let again = self.store.read(key, None).await?;
-                if let Some(v) = again.value {
-                    return Ok(match self.judge(&v) {
-                        Judged::Fresh => {
-                            self.end_round(key, guard).await;
-                            Resolved::Value(v.bytes)
+                match lock.try_acquire().await {
+                    Ok(Some(guard)) => {
+                        let round = self.round(guard, key);
+                        let again = match self.store.read(key, None).await {
+                            Ok(again) => again,
+                            Err(e) => {
+                                round.end().await;
+                                retry.pause(e, key).await?;
+                                continue;
+                            }
+                        };
+                        if let Some(v) = again.value {
+                            return Ok(match self.judge_now(&v) {
+                                Judged::Fresh => {
+                                    round.end().await;
+                                    Resolved::Value(v.bytes)
+                                }
+                                Judged::Refresh => Resolved::Serve(v.bytes, v.round, Some(round)),
+                            });
                         }
-                        Judged::Refresh => Resolved::Serve(v.bytes, v.pttl, Some(guard)),
-                    });
+                        let Some(load) = load.take() else {
+                            round.end().await;
+                            return Err(Error::LoadFailed {
+                                message: "the flight's loader was used already".into(),
+                            });
+                        };
+                        return Ok(self.compute(key, round, ttl, load, None).await);
+                    }
+                    // Taken since the read: wait for that round like any other.
+                    Ok(None) => {}
+                    Err(e) => {
+                        retry.pause(e, key).await?;
+                        continue;
+                    }
                 }
-                let Some(load) = load.take() else {
-                    self.end_round(key, guard).await;
-                    return Err(Error::LoadFailed {
-                        message: "the flight's loader was used already".into(),
-                    });
-                };
-                return Ok(self.compute(key, guard, ttl, load).await);
-            };
-            awaited = Some(round);
+            }
+            // A round is under way. Its number may be unknown (the lease's fence was evicted):
+            // then its failure cannot be read, but its end still wakes this flight.
+            if read.round.is_some() {
+                awaited = read.round;
+            }
             let Some(woken) = woken else {
                 // Subscribe, then read again at once: a fill that came before the
-                // subscription took effect is seen by that read.
-                sub = Some(self.store.subscribe(key).await?);
+                // subscription took effect is seen by that read. The only pass of this loop
+                // that does not wait.
+                match self.store.subscribe(key).await {
+                    Ok(s) => sub = Some(s),
+                    Err(e) => retry.pause(e, key).await?,
+                }
                 continue;
             };
             let gone = flight.gone.listen();
@@ -946,17 +1013,19 @@ impl Inner {
         }
     }
 
-    /// Runs the loader under the lease `guard`, writes its value fenced by the lease, and
-    /// ends the round.
+    /// Runs the loader in `round`, writes its value fenced by the lease, and ends the round.
+    /// `refreshing`: the value there now, if this is a background refresh (a failure then
+    /// starts the refresh cooldown).
     async fn compute(
         &self,
         key: &crate::LeaseKey,
-        guard: LockGuard,
+        round: Round,
         ttl: Duration,
         load: Loader,
+        refreshing: Option<()>,
     ) -> Resolved {
         bump(&self.stats.loads);
-        let round = guard.fencing_token();
+        let number = round.guard().fencing_token();
         let started = Instant::now();
         let run = AssertUnwindSafe(async move { load().await }).catch_unwind();
         let deadline = started.checked_add(self.options.compute_timeout);
@@ -969,17 +1038,35 @@ impl Inner {
                     delta,
                     grace: self.options.grace(),
                     ttl,
+                    round: number,
                 };
-                match self.store.fill(key, guard.token(), fill).await {
-                    Ok(true) => {}
-                    Ok(false) => tracing::warn!(
-                        %key,
-                        "computed value not cached: the compute lease was lost meanwhile"
-                    ),
-                    Err(e) => tracing::warn!(%key, error = %e, "computed value not cached"),
+                match self.store.fill(key, round.guard().token(), fill).await {
+                    // Released after the fill: waiters read the value as soon as they are
+                    // told (the fill told them).
+                    Ok(true) => {
+                        round.release().await;
+                        return Resolved::Value(bytes);
+                    }
+                    Ok(false) => {
+                        tracing::warn!(
+                            %key,
+                            "computed value not cached: the compute lease was lost meanwhile"
+                        );
+                        round.end().await;
+                        // Fenced out: a newer round may have written; its value is the one
+                        // every other caller gets, so this flight's callers get it too.
+                        if let Ok(Read {
+                            value: Some(newer), ..
+                        }) = self.store.read(key, None).await
+                        {
+                            return Resolved::Value(newer.bytes);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%key, error = %e, "computed value not cached");
+                        round.end().await;
+                    }
                 }
-                // Released after the fill: waiters read the value as soon as they are told.
-                let _ = guard.release().await;
                 return Resolved::Value(bytes);
             }
             Some(Ok(Err(e))) => (Outcome::Loader(e.error), e.message),
@@ -1005,36 +1092,33 @@ impl Inner {
         tracing::debug!(%key, %message, "compute failed; not cached");
         // Callers in other processes waiting on this round read the message; later rounds
         // never see it. Kept as long as a waiter may sleep before it looks again.
-        let keep = self.options.lease_ttl.saturating_mul(2);
-        if let Err(e) = self
-            .store
-            .fail(key, guard.token(), round, &message, keep)
-            .await
-        {
-            tracing::warn!(%key, error = %e, "could not record the failed compute");
+        let failure = Failure {
+            round: number,
+            message: &message,
+            keep: self.options.lease_ttl.saturating_mul(2),
+            cooldown: refreshing.map(|()| self.cooldown()),
+        };
+        match self.store.fail(key, round.guard().token(), failure).await {
+            // The script told the waiters.
+            Ok(true) => round.release().await,
+            Ok(false) => round.end().await,
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "could not record the failed compute");
+                round.end().await;
+            }
         }
-        let _ = guard.release().await;
         Resolved::Failed(resolved)
-    }
-
-    /// Ends a round that wrote nothing: release the lease, then wake the waiters so they
-    /// look again (they would otherwise sleep until the lease's TTL).
-    async fn end_round(&self, key: &crate::LeaseKey, guard: LockGuard) {
-        let _ = guard.release().await;
-        if let Err(e) = self.store.notify(key).await {
-            tracing::debug!(%key, error = %e, "could not wake the waiters");
-        }
     }
 
     /// One background refresh of a stale or early-expiring value, unless this process or
     /// another one is refreshing it already ("duck out": the current value is served
-    /// meanwhile).
+    /// meanwhile), or a refresh failed lately (the cooldown).
     async fn refresh(
         &self,
         lock: &Lock,
         ttl: Duration,
-        seen_pttl: Duration,
-        guard: Option<LockGuard>,
+        seen_round: Option<u64>,
+        round: Option<Round>,
         load: Loader,
     ) {
         let name = lock.name().to_owned();
@@ -1043,10 +1127,10 @@ impl Inner {
         }
         let _unmark = Refreshing(self, name);
         let key = lock.key();
-        let guard = match guard {
-            Some(g) => g,
+        let round = match round {
+            Some(r) => r,
             None => match lock.try_acquire().await {
-                Ok(Some(g)) => g,
+                Ok(Some(g)) => self.round(g, key),
                 Ok(None) => return,
                 Err(e) => {
                     tracing::debug!(%key, error = %e, "background refresh skipped");
@@ -1054,23 +1138,113 @@ impl Inner {
                 }
             },
         };
-        // Someone refreshed between our read and the lease: the lifetime went up.
+        // Someone refreshed between our read and the lease (another round wrote the value),
+        // or a refresh failed meanwhile: nothing to do.
         match self.store.read(key, None).await {
-            Ok(read) if read.value.as_ref().is_some_and(|v| v.pttl > seen_pttl) => {
-                self.end_round(key, guard).await;
+            Ok(Read { value: Some(v), .. }) if v.cooldown || v.round != seen_round => {
+                round.end().await;
                 return;
             }
             Ok(_) => {}
             Err(e) => {
                 tracing::debug!(%key, error = %e, "background refresh skipped");
-                self.end_round(key, guard).await;
+                round.end().await;
                 return;
             }
         }
         bump(&self.stats.refreshes);
-        if let Resolved::Failed(_) = self.compute(key, guard, ttl, load).await {
+        if let Resolved::Failed(_) = self.compute(key, round, ttl, load, Some(())).await {
             tracing::warn!(%key, "background refresh failed; the current value stays");
         }
+    }
+}
+
+/// A compute round this flight holds the lease of. Every way it ends without a fill wakes
+/// the waiters (in every process) at once, so they look again instead of sleeping until the
+/// lease's TTL: [`end`](Self::end), and dropping it (the flight was cancelled), which does
+/// the same in the background.
+struct Round {
+    key: crate::LeaseKey,
+    guard: Option<LockGuard>,
+    store: Arc<dyn Store>,
+}
+
+impl Round {
+    fn guard(&self) -> &LockGuard {
+        // Taken only by the methods that consume the round.
+        self.guard
+            .as_ref()
+            .expect("a round holds its guard until it ends")
+    }
+
+    /// Releases the lease after a fill or failure that told the waiters already.
+    async fn release(mut self) {
+        if let Some(g) = self.guard.take() {
+            let _ = g.release().await;
+        }
+    }
+
+    /// Ends a round that wrote nothing: release the lease, then wake the waiters.
+    async fn end(mut self) {
+        if let Some(g) = self.guard.take() {
+            let _ = g.release().await;
+        }
+        let key = &self.key;
+        if let Err(e) = self.store.notify(key).await {
+            tracing::debug!(%key, error = %e, "could not wake the waiters");
+        }
+    }
+}
+
+impl Drop for Round {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take() {
+            let (store, key) = (self.store.clone(), self.key.clone());
+            runtime::background().spawn(async move {
+                let _ = g.release().await;
+                let _ = store.notify(&key).await;
+            });
+        }
+    }
+}
+
+/// Retries of a store call that failed while a flight reads or waits: one transient error
+/// must not fail the flight (another process may be computing). Backs off from 10 ms,
+/// doubling up to 500 ms, and gives up (returning the error) when the failures have lasted
+/// about `wait_timeout`, so the callers that started the flight get that error rather
+/// than a timeout.
+struct Backoff {
+    budget: Duration,
+    since: Option<Instant>,
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_millis(500);
+
+    fn new(budget: Duration) -> Self {
+        Backoff {
+            budget,
+            since: None,
+            next: Self::FIRST,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.since = None;
+        self.next = Self::FIRST;
+    }
+
+    async fn pause(&mut self, e: Error, key: &crate::LeaseKey) -> Result<()> {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed().saturating_add(self.next) >= self.budget {
+            return Err(e);
+        }
+        tracing::debug!(%key, error = %e, retry_in = ?self.next, "cache store call failed; retrying");
+        runtime::sleep(self.next).await;
+        self.next = self.next.saturating_mul(2).min(Self::MAX);
+        Ok(())
     }
 }
 
@@ -1110,23 +1284,60 @@ mod tests {
         assert!(CacheOptions::new().xfetch(1.0).validate().is_ok());
     }
 
-    #[test]
-    fn stale_values_are_refreshed_and_fresh_ones_kept() {
-        let cache = Cache::new(MemoryBackend::new());
-        let v = |pttl_ms, grace_ms, delta_ms| Cached {
+    fn value(pttl_ms: u64, grace_ms: u64, delta_ms: u64) -> Cached {
+        Cached {
             bytes: Bytes::new(),
             delta: Duration::from_millis(delta_ms),
             grace: Duration::from_millis(grace_ms),
             pttl: Duration::from_millis(pttl_ms),
-        };
-        assert!(matches!(
-            cache.inner.judge(&v(500, 1000, 5)),
-            Judged::Refresh
-        ));
-        assert!(matches!(
-            cache.inner.judge(&v(1500, 1000, 5)),
-            Judged::Fresh
-        ));
-        assert!(matches!(cache.inner.judge(&v(1500, 0, 5)), Judged::Fresh));
+            round: Some(1),
+            cooldown: false,
+        }
+    }
+
+    fn refreshes(v: &Cached, beta: Option<f64>, u: f64) -> bool {
+        matches!(Inner::judge(v, beta, u), Judged::Refresh)
+    }
+
+    #[test]
+    fn stale_values_are_refreshed_and_fresh_ones_kept() {
+        assert!(refreshes(&value(500, 1000, 5), None, 0.5));
+        assert!(!refreshes(&value(1500, 1000, 5), None, 0.5));
+        assert!(!refreshes(&value(1500, 0, 5), None, 0.5));
+    }
+
+    #[test]
+    fn a_refresh_cooldown_serves_the_stale_value_without_refreshing() {
+        let mut v = value(500, 1000, 5);
+        v.cooldown = true;
+        assert!(!refreshes(&v, None, 0.5));
+        assert!(!refreshes(&v, Some(1e9), 1e-300));
+    }
+
+    /// delta = 100 ms, beta = 1, 150 ms of fresh time left: the draw decides. u = e^-1
+    /// gives 100 ms < 150 ms (fresh), u = e^-2 gives 200 ms >= 150 ms (refresh). A delta
+    /// read in the wrong unit (µs as ms, or the reverse) flips one of them.
+    #[test]
+    fn xfetch_refreshes_exactly_when_the_draw_passes_the_threshold() {
+        let v = value(150, 0, 100);
+        assert!(!refreshes(&v, Some(1.0), (-1.0f64).exp()));
+        assert!(refreshes(&v, Some(1.0), (-2.0f64).exp()));
+        // The fresh time is what is left before the stale window, not the whole PTTL.
+        let swr = value(1150, 1000, 100);
+        assert!(!refreshes(&swr, Some(1.0), (-1.0f64).exp()));
+        assert!(refreshes(&swr, Some(1.0), (-2.0f64).exp()));
+        // beta scales the draw: 0.5 · 2 · 100 ms = 100 ms < 150 ms.
+        assert!(!refreshes(&v, Some(0.5), (-2.0f64).exp()));
+        // u = 1 never refreshes early; off never does.
+        assert!(!refreshes(&value(1, 0, 100), Some(1.0), 1.0));
+        assert!(!refreshes(&value(1, 0, 100), None, 1e-300));
+    }
+
+    /// A tiny draw is capped at XFETCH_CAP: 100 ms · 14 = 1.4 s early at most.
+    #[test]
+    fn xfetch_caps_the_draw() {
+        let tiny = 1e-300; // -ln = 690
+        assert!(!refreshes(&value(1500, 0, 100), Some(1.0), tiny));
+        assert!(refreshes(&value(1300, 0, 100), Some(1.0), tiny));
     }
 }
