@@ -75,6 +75,29 @@ impl Default for CacheOptions {
 }
 
 impl CacheOptions {
+    /// The longest [`compute_timeout`](Self::compute_timeout) and
+    /// [`wait_timeout`](Self::wait_timeout): a year, as [`MAX_TTL`]. Longer ones are
+    /// [`Error::InvalidConfig`], never "no limit".
+    ///
+    /// ```
+    /// use redlease::CacheOptions;
+    /// let never = CacheOptions::new().compute_timeout(std::time::Duration::MAX);
+    /// assert!(matches!(never.validate(), Err(redlease::Error::InvalidConfig(_))));
+    /// assert!(CacheOptions::new().compute_timeout(CacheOptions::MAX_TIMEOUT).validate().is_ok());
+    /// ```
+    pub const MAX_TIMEOUT: Duration = MAX_TTL;
+
+    /// The shortest [`stale_while_revalidate`](Self::stale_while_revalidate) window (the
+    /// store keeps it in whole milliseconds; a shorter one would be stored as none).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::CacheOptions;
+    /// let tiny = CacheOptions::new().stale_while_revalidate(Duration::from_micros(500));
+    /// assert!(matches!(tiny.validate(), Err(redlease::Error::InvalidConfig(_))));
+    /// ```
+    pub const MIN_STALE_WINDOW: Duration = Duration::from_millis(1);
+
     /// The defaults.
     pub fn new() -> Self {
         Self::default()
@@ -139,16 +162,26 @@ impl CacheOptions {
     /// ```
     pub fn validate(&self) -> Result<()> {
         self.lock_options().validate()?;
-        if self.compute_timeout.is_zero() {
-            return Err(Error::invalid("compute_timeout must be more than zero"));
-        }
-        if self.wait_timeout.is_zero() {
-            return Err(Error::invalid("wait_timeout must be more than zero"));
+        // Past the maxima a deadline is unrepresentable and would silently mean "none":
+        // a hung loader would then wedge a key after all.
+        for (what, d) in [
+            ("compute_timeout", self.compute_timeout),
+            ("wait_timeout", self.wait_timeout),
+        ] {
+            if d.is_zero() || d > Self::MAX_TIMEOUT {
+                return Err(Error::invalid(format!(
+                    "{what} must be in (0, {max:?}] (a year), got {d:?}",
+                    max = Self::MAX_TIMEOUT
+                )));
+            }
         }
         if let Some(window) = self.stale_while_revalidate {
-            if window.is_zero() || window > MAX_TTL {
+            // Stored in whole milliseconds: a shorter window would be stored as 0 (off).
+            if window < Self::MIN_STALE_WINDOW || window > MAX_TTL {
                 return Err(Error::invalid(format!(
-                    "stale_while_revalidate window must be in (0, {MAX_TTL:?}], got {window:?}"
+                    "stale_while_revalidate window must be in [{min:?}, {MAX_TTL:?}], got \
+                     {window:?}",
+                    min = Self::MIN_STALE_WINDOW
                 )));
             }
         }
@@ -1271,6 +1304,13 @@ mod tests {
             CacheOptions::new().compute_timeout(Duration::ZERO),
             CacheOptions::new().wait_timeout(Duration::ZERO),
             CacheOptions::new().stale_while_revalidate(Duration::ZERO),
+            CacheOptions::new().stale_while_revalidate(Duration::from_micros(999)),
+            CacheOptions::new().stale_while_revalidate(MAX_TTL + Duration::from_millis(1)),
+            CacheOptions::new().compute_timeout(Duration::MAX),
+            CacheOptions::new().wait_timeout(Duration::MAX),
+            CacheOptions::new()
+                .compute_timeout(CacheOptions::MAX_TIMEOUT + Duration::from_nanos(1)),
+            CacheOptions::new().xfetch(f64::INFINITY),
             CacheOptions::new().xfetch(f64::NAN),
             CacheOptions::new().xfetch(0.0),
             CacheOptions::new().key_prefix("a{b"),
@@ -1282,6 +1322,11 @@ mod tests {
             );
         }
         assert!(CacheOptions::new().xfetch(1.0).validate().is_ok());
+        let edges = CacheOptions::new()
+            .compute_timeout(CacheOptions::MAX_TIMEOUT)
+            .wait_timeout(CacheOptions::MAX_TIMEOUT)
+            .stale_while_revalidate(CacheOptions::MIN_STALE_WINDOW);
+        assert!(edges.validate().is_ok());
     }
 
     fn value(pttl_ms: u64, grace_ms: u64, delta_ms: u64) -> Cached {

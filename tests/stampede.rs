@@ -902,3 +902,37 @@ async fn a_redis_restart_mid_load_gives_every_caller_a_value_or_a_clean_error_in
     .unwrap();
     assert_eq!(&v[..], b"after");
 }
+
+/// Out-of-range options are refused when the cache is made, not turned into "no limit"
+/// (a timeout too long to represent) or "off" (a stale window under a millisecond).
+#[tokio::test]
+async fn out_of_range_options_are_refused() {
+    let srv = RedisServer::start();
+    let backend = RedisBackend::connect(&srv.url()).await.unwrap();
+    let bad = [
+        opts().compute_timeout(Duration::MAX),
+        opts().wait_timeout(Duration::MAX),
+        opts().compute_timeout(CacheOptions::MAX_TIMEOUT + Duration::from_secs(1)),
+        opts().stale_while_revalidate(Duration::from_micros(999)),
+        opts().stale_while_revalidate(Duration::ZERO),
+        opts().lease_ttl(Duration::from_millis(1)),
+        opts().xfetch(f64::INFINITY),
+    ];
+    for o in bad {
+        let made = Cache::with_options(backend.clone(), o.clone());
+        assert!(
+            matches!(made, Err(Error::InvalidConfig(_))),
+            "{o:?} must be refused"
+        );
+    }
+    let edges = opts()
+        .compute_timeout(CacheOptions::MAX_TIMEOUT)
+        .wait_timeout(CacheOptions::MAX_TIMEOUT)
+        .stale_while_revalidate(CacheOptions::MIN_STALE_WINDOW);
+    let cache = Cache::with_options(backend, edges).unwrap();
+    let v = cache
+        .get_with("edge", TTL, || async { "ok" })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"ok");
+}
