@@ -137,7 +137,11 @@ async fn one_expired_key_under_a_burst_from_four_managers_calls_the_origin_once(
     );
 
     let loads_before: u64 = caches.iter().map(|c| c.stats().loads).sum();
-    let origin = Origin::new();
+    let calls_before: u64 = caches.iter().map(|c| c.stats().calls).sum();
+    // Held shut until every caller has joined and the three other managers wait on the
+    // computing one's round: a burst that finished before the others arrived would prove
+    // nothing about waiting across managers.
+    let origin = Origin::gated(false);
     let mut tasks = Vec::new();
     for i in 0..160 {
         let cache = caches[i % 4].clone();
@@ -146,6 +150,11 @@ async fn one_expired_key_under_a_burst_from_four_managers_calls_the_origin_once(
             cache.get_with("hot", TTL, load).await
         }));
     }
+    let joined = || caches.iter().map(|c| c.stats().calls).sum::<u64>() - calls_before == 160;
+    assert!(wait_for_async(SOON, joined).await);
+    assert!(wait_for_async(SOON, || origin.calls() == 1).await);
+    assert!(wait_for_async(SOON, || fill_waiters(&srv, "hot") == 3).await);
+    origin.open();
     for t in tasks {
         let v = within("a caller's answer", t).await.unwrap().unwrap();
         assert_eq!(&v[..], b"fresh");
@@ -458,6 +467,16 @@ async fn xfetch_refreshes_a_fresh_value_early_in_the_background() {
     );
     assert!(wait_for_async(SOON, || stored(&srv, "x").as_deref() == Some("v2")).await);
     assert_eq!(origin.calls(), 2);
+    // XFetch's delta is stored in µs: the 5 ms loader took between 5 ms and a few seconds.
+    let delta_us: u64 = srv
+        .cmd(&["HGET", &value_key("x"), "d"])
+        .as_str()
+        .and_then(|d| d.parse().ok())
+        .unwrap();
+    assert!(
+        (5_000..5_000_000).contains(&delta_us),
+        "delta {delta_us} µs"
+    );
     assert_eq!(eager.stats().refreshes, 1);
 
     // Off, or with a tiny beta: a fresh value 30 s from expiry is never refreshed.
@@ -538,7 +557,7 @@ async fn the_memory_backend_computes_once_across_caches_too() {
     let caches: Vec<Cache> = (0..3)
         .map(|_| Cache::with_options(backend.clone(), opts()).unwrap())
         .collect();
-    let origin = Origin::new();
+    let origin = Origin::gated(false);
     let mut tasks = Vec::new();
     for i in 0..90 {
         let cache = caches[i % 3].clone();
@@ -547,6 +566,11 @@ async fn the_memory_backend_computes_once_across_caches_too() {
             async move { cache.get_with("k", TTL, load).await },
         ));
     }
+    // Every caller in, the other two caches waiting on the first one's round: then open.
+    let joined = || caches.iter().map(|c| c.stats().calls).sum::<u64>() == 90;
+    assert!(wait_for_async(SOON, joined).await);
+    assert!(wait_for_async(SOON, || origin.calls() == 1).await);
+    origin.open();
     for t in tasks {
         assert_eq!(&within("a caller", t).await.unwrap().unwrap()[..], b"m");
     }
