@@ -99,6 +99,11 @@ impl CacheOptions {
     pub const MIN_STALE_WINDOW: Duration = Duration::from_millis(1);
 
     /// The defaults.
+    ///
+    /// ```
+    /// let options = redlease::CacheOptions::new();
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
@@ -106,13 +111,28 @@ impl CacheOptions {
     /// Prefix of every key the cache writes (the value, the compute lease and its derived
     /// keys: `<prefix>{<key>}:value` and so on). Defaults to `redlease:cache:`, apart from
     /// the locks' `redlease:`, so a cache key never collides with a lock of the same name.
+    /// Braces are refused ([`Error::InvalidConfig`]): the key's hash tag is the cache key.
+    ///
+    /// ```
+    /// let options = redlease::CacheOptions::new().key_prefix("shop:cache:");
+    /// assert!(options.validate().is_ok());
+    /// assert!(redlease::CacheOptions::new().key_prefix("a{b").validate().is_err());
+    /// ```
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into().into();
         self
     }
 
     /// TTL of the compute lease. The watchdog keeps it alive while the loader runs; if the
-    /// loader's process dies, another caller takes over within this time. Defaults to 10 s.
+    /// loader's process dies, another caller takes over within this time. Defaults to 10 s;
+    /// [`MIN_TTL`](crate::MIN_TTL) to [`MAX_TTL`] as for any lease. It also bounds the
+    /// cooldown after a failed background refresh (at most 1 s).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().lease_ttl(Duration::from_secs(3));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl;
         self
@@ -120,7 +140,13 @@ impl CacheOptions {
 
     /// How long a loader may run. Past it the loader is dropped (cancelled), the lease is
     /// released, and the round fails with [`Error::Timeout`]: a hung loader never wedges a
-    /// key. Defaults to 60 s.
+    /// key. Defaults to 60 s; at most [`MAX_TIMEOUT`](Self::MAX_TIMEOUT).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().compute_timeout(Duration::from_secs(5));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn compute_timeout(mut self, timeout: Duration) -> Self {
         self.compute_timeout = timeout;
         self
@@ -128,7 +154,14 @@ impl CacheOptions {
 
     /// How long a caller waits for a value being computed (here or in another process)
     /// before it gets [`Error::Timeout`]. The computation goes on and still fills the cache.
-    /// Defaults to 30 s.
+    /// Transient store errors while waiting are retried (with back-off) within this time.
+    /// Defaults to 30 s; at most [`MAX_TIMEOUT`](Self::MAX_TIMEOUT).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().wait_timeout(Duration::from_millis(500));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = timeout;
         self
@@ -136,7 +169,16 @@ impl CacheOptions {
 
     /// Stale-while-revalidate: keep a value `window` past its ttl. In that window callers
     /// get the stale value at once, and one caller (across all processes) refreshes it in
-    /// the background. Off by default.
+    /// the background. If that refresh fails, the stale value stays and no refresh starts
+    /// for a cooldown of `min(lease_ttl, 1 s)`, so a down origin is tried about once a
+    /// second, not once per flight. Off by default; the window is
+    /// [`MIN_STALE_WINDOW`](Self::MIN_STALE_WINDOW) to [`MAX_TTL`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().stale_while_revalidate(Duration::from_secs(60));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn stale_while_revalidate(mut self, window: Duration) -> Self {
         self.stale_while_revalidate = Some(window);
         self
@@ -147,7 +189,18 @@ impl CacheOptions {
     /// value refreshes it in the background, while still returning it, when
     /// `delta · beta · −ln(rand)` reaches the value's remaining fresh time, `delta` being
     /// the measured duration of the last compute. The remaining time is the server's PTTL,
-    /// read with the value, so client clocks are never compared. Off by default.
+    /// read with the value, so client clocks are never compared.
+    ///
+    /// `−ln(rand)` is capped at 14 (`XFETCH_CAP`): a draw that small (one in about 1.2
+    /// million) would otherwise refresh absurdly early, so a value is never refreshed more
+    /// than `14 · beta · delta` before its fresh time ends. A refresh that failed lately (see
+    /// [`stale_while_revalidate`](Self::stale_while_revalidate)) holds XFetch off too.
+    /// `beta` must be finite and above 0. Off by default.
+    ///
+    /// ```
+    /// let options = redlease::CacheOptions::new().xfetch(1.0);
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn xfetch(mut self, beta: f64) -> Self {
         self.xfetch_beta = Some(beta);
         self
@@ -219,6 +272,16 @@ mod sealed {
 /// A backend a [`Cache`] can keep values in: [`RedisBackend`] (across processes) or
 /// [`MemoryBackend`] (one process). Sealed: the cache needs a fenced write and fill
 /// notifications, which the [`Backend`](crate::Backend) trait does not have.
+///
+/// ```
+/// use redlease::{Cache, CacheBackend, MemoryBackend};
+/// // Generic over where the values live.
+/// fn page_cache(backend: impl CacheBackend) -> Cache {
+///     Cache::new(backend)
+/// }
+/// let cache = page_cache(MemoryBackend::new());
+/// # let _ = cache;
+/// ```
 pub trait CacheBackend: sealed::Sealed {}
 
 impl sealed::Sealed for RedisBackend {
@@ -236,6 +299,16 @@ impl sealed::Sealed for MemoryBackend {
 impl CacheBackend for MemoryBackend {}
 
 /// Counters of one [`Cache`] (this process only), from [`Cache::stats`].
+///
+/// ```
+/// use std::time::Duration;
+/// # futures::executor::block_on(async {
+/// let cache = redlease::Cache::new(redlease::MemoryBackend::new());
+/// cache.get_with("k", Duration::from_secs(5), || async { "v" }).await?;
+/// let stats: redlease::CacheStats = cache.stats();
+/// assert_eq!((stats.calls, stats.loads, stats.coalesced), (1, 1, 0));
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CacheStats {
@@ -276,10 +349,26 @@ fn bump(c: &AtomicU64) {
 /// The write is fenced by the lease: a loader that outlived its lease cannot overwrite a
 /// newer value.
 ///
-/// The loader runs detached (on the runtime of the caller that started the flight), so a
-/// caller's timeout or drop ends only its own wait; the value still fills the cache. A
-/// loader that panics, fails or runs past [`CacheOptions::compute_timeout`] frees the key
+/// A loader that panics, fails or runs past [`CacheOptions::compute_timeout`] frees the key
 /// at once; one whose process dies frees it within [`CacheOptions::lease_ttl`].
+///
+/// # Which runtime a loader runs on
+///
+/// The flight (the read, the wait, the loader and any background refresh) is spawned on
+/// the runtime of the caller that started it: the caller's tokio runtime if it runs in one,
+/// else smol's or async-std's executor when those features are on. It runs detached there,
+/// so a caller's timeout or drop ends only its own wait, and the value still fills the
+/// cache.
+///
+/// With only the `tokio` feature and a caller outside any runtime (say
+/// `futures::executor::block_on`), there is nothing to spawn on: the flight then runs
+/// inside the callers' own futures, on their threads, in a tokio context so tokio timers
+/// work. It is never put on the crate's private runtime, whose one thread runs the watchdog
+/// and pub/sub handlers of every lease in the process. The caller that started such a
+/// flight drives it to its end (a background refresh included, within its `wait_timeout`);
+/// the others return as soon as the value is there. When all of its callers have left
+/// (timed out or dropped), the flight is cancelled: its lease is released and other
+/// processes are told, and the next call starts again.
 ///
 /// Cheap to clone; clones share flights and counters.
 ///
@@ -475,6 +564,17 @@ impl Cache {
 
     /// A cache with the given options, checked now.
     ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Cache, CacheOptions, MemoryBackend};
+    /// let options = CacheOptions::new().xfetch(1.0).lease_ttl(Duration::from_secs(5));
+    /// let cache = Cache::with_options(MemoryBackend::new(), options)?;
+    /// // Refused at once, not at the first call:
+    /// let bad = CacheOptions::new().wait_timeout(Duration::ZERO);
+    /// assert!(Cache::with_options(MemoryBackend::new(), bad).is_err());
+    /// # let _ = cache; Ok::<(), redlease::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for invalid options.
@@ -498,6 +598,14 @@ impl Cache {
     }
 
     /// The options.
+    ///
+    /// ```
+    /// use redlease::{Cache, CacheOptions, MemoryBackend};
+    /// let cache = Cache::with_options(MemoryBackend::new(), CacheOptions::new().xfetch(2.0))?;
+    /// // Another cache with the same settings:
+    /// let twin = Cache::with_options(MemoryBackend::new(), cache.options().clone())?;
+    /// # let _ = twin; Ok::<(), redlease::Error>(())
+    /// ```
     pub fn options(&self) -> &CacheOptions {
         &self.inner.options
     }
