@@ -1073,7 +1073,6 @@ impl Inner {
                     continue;
                 }
             };
-            retry.reset();
             if let Some(v) = read.value {
                 return Ok(match self.judge_now(&v) {
                     Judged::Fresh => Resolved::Value(v.bytes),
@@ -1142,6 +1141,9 @@ impl Inner {
             if self.unwatched(fkey, flight) {
                 return Ok(Resolved::Unwatched);
             }
+            // Reset only here, where every call of a pass has succeeded: a read that works
+            // between subscriptions that fail must not keep the back-off at its first step.
+            retry.reset();
             // A holder that died never publishes: look again when its lease runs out.
             let pause = read
                 .lease_pttl
@@ -1264,6 +1266,9 @@ impl Inner {
     ) {
         let name = lock.name().to_owned();
         if !locked(&self.refreshing).insert(name.clone()) {
+            if let Some(round) = round {
+                round.end().await;
+            }
             return;
         }
         let _unmark = Refreshing(self, name);
