@@ -28,11 +28,16 @@ use crate::{MemoryBackend, RedisBackend};
 mod store;
 
 pub(crate) use store::MemoryValues;
-use store::{Cached, Fill, MemoryStore, RedisStore, Store};
+use store::{Cached, Failure, Fill, MemoryStore, Read, RedisStore, Store};
 
 /// The largest factor `-ln(u)` may reach in XFetch's early-refresh test: a very small random
 /// draw would otherwise refresh absurdly early (the Internet Archive harness' lesson).
 const XFETCH_CAP: f64 = 14.0;
+
+/// After a background refresh failed, no other starts for this long (or the lease TTL, if
+/// shorter): with the origin down in the stale window, flights serve the stale value instead
+/// of each starting a refresh.
+const REFRESH_COOLDOWN: Duration = Duration::from_secs(1);
 
 /// Settings of a [`Cache`]; every setter says its default.
 ///
@@ -70,7 +75,35 @@ impl Default for CacheOptions {
 }
 
 impl CacheOptions {
+    /// The longest [`compute_timeout`](Self::compute_timeout) and
+    /// [`wait_timeout`](Self::wait_timeout): a year, as [`MAX_TTL`]. Longer ones are
+    /// [`Error::InvalidConfig`], never "no limit".
+    ///
+    /// ```
+    /// use redlease::CacheOptions;
+    /// let never = CacheOptions::new().compute_timeout(std::time::Duration::MAX);
+    /// assert!(matches!(never.validate(), Err(redlease::Error::InvalidConfig(_))));
+    /// assert!(CacheOptions::new().compute_timeout(CacheOptions::MAX_TIMEOUT).validate().is_ok());
+    /// ```
+    pub const MAX_TIMEOUT: Duration = MAX_TTL;
+
+    /// The shortest [`stale_while_revalidate`](Self::stale_while_revalidate) window (the
+    /// store keeps it in whole milliseconds; a shorter one would be stored as none).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::CacheOptions;
+    /// let tiny = CacheOptions::new().stale_while_revalidate(Duration::from_micros(500));
+    /// assert!(matches!(tiny.validate(), Err(redlease::Error::InvalidConfig(_))));
+    /// ```
+    pub const MIN_STALE_WINDOW: Duration = Duration::from_millis(1);
+
     /// The defaults.
+    ///
+    /// ```
+    /// let options = redlease::CacheOptions::new();
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
@@ -78,13 +111,28 @@ impl CacheOptions {
     /// Prefix of every key the cache writes (the value, the compute lease and its derived
     /// keys: `<prefix>{<key>}:value` and so on). Defaults to `redlease:cache:`, apart from
     /// the locks' `redlease:`, so a cache key never collides with a lock of the same name.
+    /// Braces are refused ([`Error::InvalidConfig`]): the key's hash tag is the cache key.
+    ///
+    /// ```
+    /// let options = redlease::CacheOptions::new().key_prefix("shop:cache:");
+    /// assert!(options.validate().is_ok());
+    /// assert!(redlease::CacheOptions::new().key_prefix("a{b").validate().is_err());
+    /// ```
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = prefix.into().into();
         self
     }
 
     /// TTL of the compute lease. The watchdog keeps it alive while the loader runs; if the
-    /// loader's process dies, another caller takes over within this time. Defaults to 10 s.
+    /// loader's process dies, another caller takes over within this time. Defaults to 10 s;
+    /// [`MIN_TTL`](crate::MIN_TTL) to [`MAX_TTL`] as for any lease. It also bounds the
+    /// cooldown after a failed background refresh (at most 1 s).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().lease_ttl(Duration::from_secs(3));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl;
         self
@@ -92,7 +140,13 @@ impl CacheOptions {
 
     /// How long a loader may run. Past it the loader is dropped (cancelled), the lease is
     /// released, and the round fails with [`Error::Timeout`]: a hung loader never wedges a
-    /// key. Defaults to 60 s.
+    /// key. Defaults to 60 s; at most [`MAX_TIMEOUT`](Self::MAX_TIMEOUT).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().compute_timeout(Duration::from_secs(5));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn compute_timeout(mut self, timeout: Duration) -> Self {
         self.compute_timeout = timeout;
         self
@@ -100,7 +154,14 @@ impl CacheOptions {
 
     /// How long a caller waits for a value being computed (here or in another process)
     /// before it gets [`Error::Timeout`]. The computation goes on and still fills the cache.
-    /// Defaults to 30 s.
+    /// Transient store errors while waiting are retried (with back-off) within this time.
+    /// Defaults to 30 s; at most [`MAX_TIMEOUT`](Self::MAX_TIMEOUT).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().wait_timeout(Duration::from_millis(500));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = timeout;
         self
@@ -108,7 +169,16 @@ impl CacheOptions {
 
     /// Stale-while-revalidate: keep a value `window` past its ttl. In that window callers
     /// get the stale value at once, and one caller (across all processes) refreshes it in
-    /// the background. Off by default.
+    /// the background. If that refresh fails, the stale value stays and no refresh starts
+    /// for a cooldown of `min(lease_ttl, 1 s)`, so a down origin is tried about once a
+    /// second, not once per flight. Off by default; the window is
+    /// [`MIN_STALE_WINDOW`](Self::MIN_STALE_WINDOW) to [`MAX_TTL`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let options = redlease::CacheOptions::new().stale_while_revalidate(Duration::from_secs(60));
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn stale_while_revalidate(mut self, window: Duration) -> Self {
         self.stale_while_revalidate = Some(window);
         self
@@ -119,7 +189,18 @@ impl CacheOptions {
     /// value refreshes it in the background, while still returning it, when
     /// `delta · beta · −ln(rand)` reaches the value's remaining fresh time, `delta` being
     /// the measured duration of the last compute. The remaining time is the server's PTTL,
-    /// read with the value, so client clocks are never compared. Off by default.
+    /// read with the value, so client clocks are never compared.
+    ///
+    /// `−ln(rand)` is capped at 14 (`XFETCH_CAP`): a draw that small (one in about 1.2
+    /// million) would otherwise refresh absurdly early, so a value is never refreshed more
+    /// than `14 · beta · delta` before its fresh time ends. A refresh that failed lately (see
+    /// [`stale_while_revalidate`](Self::stale_while_revalidate)) holds XFetch off too.
+    /// `beta` must be finite and above 0. Off by default.
+    ///
+    /// ```
+    /// let options = redlease::CacheOptions::new().xfetch(1.0);
+    /// assert!(options.validate().is_ok());
+    /// ```
     pub fn xfetch(mut self, beta: f64) -> Self {
         self.xfetch_beta = Some(beta);
         self
@@ -134,16 +215,26 @@ impl CacheOptions {
     /// ```
     pub fn validate(&self) -> Result<()> {
         self.lock_options().validate()?;
-        if self.compute_timeout.is_zero() {
-            return Err(Error::invalid("compute_timeout must be more than zero"));
-        }
-        if self.wait_timeout.is_zero() {
-            return Err(Error::invalid("wait_timeout must be more than zero"));
+        // Past the maxima a deadline is unrepresentable and would silently mean "none":
+        // a hung loader would then wedge a key after all.
+        for (what, d) in [
+            ("compute_timeout", self.compute_timeout),
+            ("wait_timeout", self.wait_timeout),
+        ] {
+            if d.is_zero() || d > Self::MAX_TIMEOUT {
+                return Err(Error::invalid(format!(
+                    "{what} must be in (0, {max:?}] (a year), got {d:?}",
+                    max = Self::MAX_TIMEOUT
+                )));
+            }
         }
         if let Some(window) = self.stale_while_revalidate {
-            if window.is_zero() || window > MAX_TTL {
+            // Stored in whole milliseconds: a shorter window would be stored as 0 (off).
+            if window < Self::MIN_STALE_WINDOW || window > MAX_TTL {
                 return Err(Error::invalid(format!(
-                    "stale_while_revalidate window must be in (0, {MAX_TTL:?}], got {window:?}"
+                    "stale_while_revalidate window must be in [{min:?}, {MAX_TTL:?}], got \
+                     {window:?}",
+                    min = Self::MIN_STALE_WINDOW
                 )));
             }
         }
@@ -181,6 +272,16 @@ mod sealed {
 /// A backend a [`Cache`] can keep values in: [`RedisBackend`] (across processes) or
 /// [`MemoryBackend`] (one process). Sealed: the cache needs a fenced write and fill
 /// notifications, which the [`Backend`](crate::Backend) trait does not have.
+///
+/// ```
+/// use redlease::{Cache, CacheBackend, MemoryBackend};
+/// // Generic over where the values live.
+/// fn page_cache(backend: impl CacheBackend) -> Cache {
+///     Cache::new(backend)
+/// }
+/// let cache = page_cache(MemoryBackend::new());
+/// # let _ = cache;
+/// ```
 pub trait CacheBackend: sealed::Sealed {}
 
 impl sealed::Sealed for RedisBackend {
@@ -198,6 +299,16 @@ impl sealed::Sealed for MemoryBackend {
 impl CacheBackend for MemoryBackend {}
 
 /// Counters of one [`Cache`] (this process only), from [`Cache::stats`].
+///
+/// ```
+/// use std::time::Duration;
+/// # futures::executor::block_on(async {
+/// let cache = redlease::Cache::new(redlease::MemoryBackend::new());
+/// cache.get_with("k", Duration::from_secs(5), || async { "v" }).await?;
+/// let stats: redlease::CacheStats = cache.stats();
+/// assert_eq!((stats.calls, stats.loads, stats.coalesced), (1, 1, 0));
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CacheStats {
@@ -238,10 +349,26 @@ fn bump(c: &AtomicU64) {
 /// The write is fenced by the lease: a loader that outlived its lease cannot overwrite a
 /// newer value.
 ///
-/// The loader runs detached (on the runtime of the caller that started the flight), so a
-/// caller's timeout or drop ends only its own wait; the value still fills the cache. A
-/// loader that panics, fails or runs past [`CacheOptions::compute_timeout`] frees the key
+/// A loader that panics, fails or runs past [`CacheOptions::compute_timeout`] frees the key
 /// at once; one whose process dies frees it within [`CacheOptions::lease_ttl`].
+///
+/// # Which runtime a loader runs on
+///
+/// The flight (the read, the wait, the loader and any background refresh) is spawned on
+/// the runtime of the caller that started it: the caller's tokio runtime if it runs in one,
+/// else smol's or async-std's executor when those features are on. It runs detached there,
+/// so a caller's timeout or drop ends only its own wait, and the value still fills the
+/// cache.
+///
+/// With only the `tokio` feature and a caller outside any runtime (say
+/// `futures::executor::block_on`), there is nothing to spawn on: the flight then runs
+/// inside the callers' own futures, on their threads, in a tokio context so tokio timers
+/// work. It is never put on the crate's private runtime, whose one thread runs the watchdog
+/// and pub/sub handlers of every lease in the process. The caller that started such a
+/// flight drives it to its end (a background refresh included, within its `wait_timeout`);
+/// the others return as soon as the value is there. When all of its callers have left
+/// (timed out or dropped), the flight is cancelled: its lease is released and other
+/// processes are told, and the next call starts again.
 ///
 /// Cheap to clone; clones share flights and counters.
 ///
@@ -330,6 +457,32 @@ struct Flight {
     done: Event,
     callers: AtomicUsize,
     gone: Event,
+    /// With no runtime to spawn on, the flight's future, driven by its callers (each holds
+    /// a strong clone; this weak one lets later callers join). Unset when it was spawned.
+    driver: OnceLock<WeakDriver>,
+}
+
+/// A flight's future driven by its callers (see [`caller_runtime`]).
+type Driver = future::Shared<BoxFuture<'static, ()>>;
+type WeakDriver = future::WeakShared<BoxFuture<'static, ()>>;
+
+/// The runtime to run a flight on: the caller's. `None` when the caller runs none that the
+/// crate can spawn on (only the `tokio` feature, called from `futures::executor::block_on`
+/// or the like): the flight is then driven inside the callers' own futures, never on the
+/// crate's private runtime, whose one thread runs the watchdog and pub/sub handlers of every
+/// lease in the process and must not run user code.
+fn caller_runtime() -> Option<Rt> {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        return Some(Rt::Tokio(handle));
+    }
+    #[cfg(any(feature = "smol", feature = "async-std"))]
+    {
+        Some(Rt::current())
+    }
+    #[cfg(not(any(feature = "smol", feature = "async-std")))]
+    {
+        None
+    }
 }
 
 impl Flight {
@@ -411,6 +564,17 @@ impl Cache {
 
     /// A cache with the given options, checked now.
     ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Cache, CacheOptions, MemoryBackend};
+    /// let options = CacheOptions::new().xfetch(1.0).lease_ttl(Duration::from_secs(5));
+    /// let cache = Cache::with_options(MemoryBackend::new(), options)?;
+    /// // Refused at once, not at the first call:
+    /// let bad = CacheOptions::new().wait_timeout(Duration::ZERO);
+    /// assert!(Cache::with_options(MemoryBackend::new(), bad).is_err());
+    /// # let _ = cache; Ok::<(), redlease::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for invalid options.
@@ -434,6 +598,14 @@ impl Cache {
     }
 
     /// The options.
+    ///
+    /// ```
+    /// use redlease::{Cache, CacheOptions, MemoryBackend};
+    /// let cache = Cache::with_options(MemoryBackend::new(), CacheOptions::new().xfetch(2.0))?;
+    /// // Another cache with the same settings:
+    /// let twin = Cache::with_options(MemoryBackend::new(), cache.options().clone())?;
+    /// # let _ = twin; Ok::<(), redlease::Error>(())
+    /// ```
     pub fn options(&self) -> &CacheOptions {
         &self.inner.options
     }
@@ -601,16 +773,42 @@ impl Cache {
         let inner = &self.inner;
         bump(&inner.stats.calls);
         let fkey = (key.to_owned(), kind);
-        let (flight, created) = inner.join(&fkey);
-        let ticket = Ticket(flight.clone());
-        if created {
-            let task = Inner::run_flight(inner.clone(), flight.clone(), fkey, ttl, load);
-            Rt::current().spawn(task);
-        } else {
-            bump(&inner.stats.coalesced);
+        let rt = caller_runtime();
+        let joined = inner.join(&fkey, rt.is_none(), ttl, load);
+        let ticket = Ticket(joined.flight.clone());
+        let mut driver = joined.driver;
+        match (joined.spawn, rt) {
+            (Some(task), Some(rt)) => rt.spawn(task),
+            // Not reached: a flight is spawned only when there is a runtime.
+            (Some(task), None) => drop(task),
+            (None, _) if !joined.created => bump(&inner.stats.coalesced),
+            (None, _) => {}
         }
+        // Unused: another caller's loader runs (dropped here, outside the map's lock).
+        drop(joined.unused);
+        // Validated options: the deadline is always representable.
         let deadline = began.checked_add(inner.options.wait_timeout);
-        let outcome = runtime::until(deadline, ticket.0.wait()).await;
+        let flight = &ticket.0;
+        let outcome = match driver.take() {
+            None => runtime::until(deadline, flight.wait()).await,
+            // The caller that started an unspawned flight drives it to its end (a background
+            // refresh included, within its wait_timeout), then answers.
+            Some(d) if joined.created => {
+                let _ = runtime::until(deadline, d).await;
+                flight.outcome.get().cloned()
+            }
+            // Others drive it until their answer is there; a flight whose callers have all
+            // left is dropped (its lease released, its waiters told).
+            Some(d) => {
+                let wait = pin!(flight.wait());
+                runtime::until(deadline, future::select(d, wait))
+                    .await
+                    .and_then(|either| match either {
+                        future::Either::Left(((), _)) => flight.outcome.get().cloned(),
+                        future::Either::Right((o, _)) => Some(o),
+                    })
+            }
+        };
         drop(ticket);
         match outcome {
             None => Err(Fail::Cache(Error::Timeout {
@@ -623,13 +821,26 @@ impl Cache {
     }
 }
 
+/// A caller's place, from [`Inner::join`].
+struct Joined {
+    flight: Arc<Flight>,
+    created: bool,
+    /// The new flight's task, to spawn on the caller's runtime.
+    spawn: Option<BoxFuture<'static, ()>>,
+    /// The flight's future, when the callers drive it.
+    driver: Option<Driver>,
+    /// The loader, if this caller joined a flight that has its own.
+    unused: Option<Loader>,
+}
+
 /// How a flight ended.
 enum Resolved {
     /// A fresh value (read or computed).
     Value(Bytes),
     /// A value to serve now while it is refreshed in the background (stale, or picked for
     /// early refresh), with the lease if this flight holds it already.
-    Serve(Bytes, Duration, Option<LockGuard>),
+    /// Carries the round that wrote the value, to tell whether another refreshed it since.
+    Serve(Bytes, Option<u64>, Option<Round>),
     Failed(Outcome),
     /// Every caller left while another process computed: nothing to do.
     Unwatched,
@@ -661,7 +872,9 @@ impl Drop for Finish {
     fn drop(&mut self) {
         if !self.done {
             let e = Error::LoadFailed {
-                message: "the computation was dropped (its runtime shut down)".into(),
+                message: "the computation was dropped (its runtime shut down, or every caller \
+                          of a flight driven by its callers left)"
+                    .into(),
             };
             self.inner
                 .finish(&self.fkey, &self.flight, Outcome::Failed(Arc::new(e)));
@@ -679,21 +892,65 @@ impl Drop for Refreshing<'_> {
 }
 
 impl Inner {
-    /// Joins the flight of `fkey`, or starts one (`true`).
-    fn join(&self, fkey: &FlightKey) -> (Arc<Flight>, bool) {
+    /// Joins the flight of `fkey`, or starts one with `load`: spawned (`inline` false) or
+    /// driven by its callers. The flight's end ([`Finish`]) exists before its task is
+    /// spawned, so a task dropped before its first poll (its runtime shut down) still ends
+    /// the flight instead of leaving it in the map for every later caller to time out on.
+    fn join(
+        self: &Arc<Self>,
+        fkey: &FlightKey,
+        inline: bool,
+        ttl: Duration,
+        load: Loader,
+    ) -> Joined {
         let mut flights = locked(&self.flights);
         if let Some(f) = flights.get(fkey) {
-            f.callers.fetch_add(1, Ordering::AcqRel);
-            return (f.clone(), false);
+            // A driven flight whose callers have all gone is being dropped: start anew.
+            let driver = f.driver.get().map(|w| w.upgrade());
+            if !matches!(driver, Some(None)) {
+                f.callers.fetch_add(1, Ordering::AcqRel);
+                return Joined {
+                    flight: f.clone(),
+                    created: false,
+                    spawn: None,
+                    driver: driver.flatten(),
+                    unused: Some(load),
+                };
+            }
         }
-        let f = Arc::new(Flight {
+        let flight = Arc::new(Flight {
             outcome: OnceLock::new(),
             done: Event::new(),
             callers: AtomicUsize::new(1),
             gone: Event::new(),
+            driver: OnceLock::new(),
         });
-        flights.insert(fkey.clone(), f.clone());
-        (f, true)
+        let finish = Finish {
+            inner: self.clone(),
+            flight: flight.clone(),
+            fkey: fkey.clone(),
+            done: false,
+        };
+        let task = Inner::run_flight(finish, ttl, load).boxed();
+        let (spawn, driver) = if inline {
+            // Polled in a tokio context (the private runtime's) so that tokio timers work,
+            // but on the caller's thread.
+            let driver = runtime::in_tokio(task).boxed().shared();
+            if let Some(weak) = driver.downgrade() {
+                let _ = flight.driver.set(weak);
+            }
+            (None, Some(driver))
+        } else {
+            (Some(task), None)
+        };
+        flights.insert(fkey.clone(), flight.clone());
+        Joined {
+            flight,
+            created: true,
+            spawn,
+            driver,
+            unused: None,
+        }
     }
 
     /// Takes the flight out of the map (later callers start a new one), then hands the
@@ -722,14 +979,18 @@ impl Inner {
         true
     }
 
-    fn judge(&self, v: &Cached) -> Judged {
+    /// What value `v` calls for, `u` being a uniform draw in (0, 1] (XFetch's `rand`).
+    /// Pure, so both sides of the threshold can be tested.
+    fn judge(v: &Cached, xfetch_beta: Option<f64>, u: f64) -> Judged {
+        if v.cooldown {
+            // A refresh failed lately: serve what is there until the cooldown ends.
+            return Judged::Fresh;
+        }
         if !v.grace.is_zero() && v.pttl <= v.grace {
             return Judged::Refresh;
         }
-        if let Some(beta) = self.options.xfetch_beta {
+        if let Some(beta) = xfetch_beta {
             let fresh_left = v.pttl.saturating_sub(v.grace).as_secs_f64();
-            // u in (0, 1], so -ln(u) is finite and >= 0.
-            let u = 1.0 - rand::random::<f64>();
             let x = (-u.ln()).min(XFETCH_CAP);
             if v.delta.as_secs_f64() * beta * x >= fresh_left {
                 return Judged::Refresh;
@@ -738,22 +999,33 @@ impl Inner {
         Judged::Fresh
     }
 
+    /// [`judge`](Self::judge) with a fresh random draw.
+    fn judge_now(&self, v: &Cached) -> Judged {
+        // u in (0, 1], so -ln(u) is finite and >= 0.
+        let u = 1.0 - rand::random::<f64>();
+        Self::judge(v, self.options.xfetch_beta, u)
+    }
+
+    /// How long no background refresh starts after one failed.
+    fn cooldown(&self) -> Duration {
+        self.options.lease_ttl.min(REFRESH_COOLDOWN)
+    }
+
+    /// A lease this flight took, as a compute round.
+    fn round(&self, guard: LockGuard, key: &crate::LeaseKey) -> Round {
+        Round {
+            key: key.clone(),
+            guard: Some(guard),
+            store: self.store.clone(),
+        }
+    }
+
     /// The flight's task: read, wait or compute, hand the outcome to the callers, then
     /// refresh in the background if the value called for it.
-    async fn run_flight(
-        inner: Arc<Inner>,
-        flight: Arc<Flight>,
-        fkey: FlightKey,
-        ttl: Duration,
-        load: Loader,
-    ) {
-        let lock = inner.locks.lock(&fkey.0);
-        let mut finish = Finish {
-            inner: inner.clone(),
-            flight: flight.clone(),
-            fkey,
-            done: false,
-        };
+    async fn run_flight(mut finish: Finish, ttl: Duration, load: Loader) {
+        let inner = finish.inner.clone();
+        let flight = finish.flight.clone();
+        let lock = inner.locks.lock(&finish.fkey.0);
         let mut load = Some(load);
         let resolved = inner
             .resolve(&flight, &finish.fkey, &lock, ttl, &mut load)
@@ -762,11 +1034,16 @@ impl Inner {
             Ok(Resolved::Value(bytes)) => finish.publish(Outcome::Value(bytes)),
             Ok(Resolved::Failed(outcome)) => finish.publish(outcome),
             Ok(Resolved::Unwatched) => finish.done = true,
-            Ok(Resolved::Serve(bytes, pttl, guard)) => {
+            Ok(Resolved::Serve(bytes, seen, round)) => {
                 bump(&inner.stats.served_stale);
                 finish.publish(Outcome::Value(bytes));
-                if let Some(load) = load.take() {
-                    inner.refresh(&lock, ttl, pttl, guard, load).await;
+                match load.take() {
+                    Some(load) => inner.refresh(&lock, ttl, seen, round, load).await,
+                    None => {
+                        if let Some(round) = round {
+                            round.end().await;
+                        }
+                    }
                 }
             }
             Err(e) => finish.publish(Outcome::Failed(Arc::new(e))),
@@ -785,55 +1062,88 @@ impl Inner {
         // The round (the holder's fencing token) this flight waits on, once it has seen one.
         let mut awaited: Option<u64> = None;
         let mut sub: Option<Subscription> = None;
+        let mut retry = Backoff::new(self.options.wait_timeout);
         loop {
             // Armed before the read, so a fill between the read and the wait is not missed.
             let woken = sub.as_ref().map(Subscription::listen);
-            let read = self.store.read(key, awaited).await?;
+            let read = match self.store.read(key, awaited).await {
+                Ok(read) => read,
+                Err(e) => {
+                    retry.pause(e, key).await?;
+                    continue;
+                }
+            };
             if let Some(v) = read.value {
-                return Ok(match self.judge(&v) {
+                return Ok(match self.judge_now(&v) {
                     Judged::Fresh => Resolved::Value(v.bytes),
-                    Judged::Refresh => Resolved::Serve(v.bytes, v.pttl, None),
+                    Judged::Refresh => Resolved::Serve(v.bytes, v.round, None),
                 });
             }
             if let Some(message) = read.failed {
                 let e = Error::LoadFailed { message };
                 return Ok(Resolved::Failed(Outcome::Failed(Arc::new(e))));
             }
-            let Some(round) = read.round else {
+            if !read.held {
                 // Nobody computes: take the lease, check again (another process may have
                 // filled the value between the read and now), and compute.
-                let Some(guard) = lock.try_acquire().await? else {
-                    continue;
-                };
-                let again = self.store.read(key, None).await?;
-                if let Some(v) = again.value {
-                    return Ok(match self.judge(&v) {
-                        Judged::Fresh => {
-                            self.end_round(key, guard).await;
-                            Resolved::Value(v.bytes)
+                match lock.try_acquire().await {
+                    Ok(Some(guard)) => {
+                        let round = self.round(guard, key);
+                        let again = match self.store.read(key, None).await {
+                            Ok(again) => again,
+                            Err(e) => {
+                                round.end().await;
+                                retry.pause(e, key).await?;
+                                continue;
+                            }
+                        };
+                        if let Some(v) = again.value {
+                            return Ok(match self.judge_now(&v) {
+                                Judged::Fresh => {
+                                    round.end().await;
+                                    Resolved::Value(v.bytes)
+                                }
+                                Judged::Refresh => Resolved::Serve(v.bytes, v.round, Some(round)),
+                            });
                         }
-                        Judged::Refresh => Resolved::Serve(v.bytes, v.pttl, Some(guard)),
-                    });
+                        let Some(load) = load.take() else {
+                            round.end().await;
+                            return Err(Error::LoadFailed {
+                                message: "the flight's loader was used already".into(),
+                            });
+                        };
+                        return Ok(self.compute(key, round, ttl, load, None).await);
+                    }
+                    // Taken since the read: wait for that round like any other.
+                    Ok(None) => {}
+                    Err(e) => {
+                        retry.pause(e, key).await?;
+                        continue;
+                    }
                 }
-                let Some(load) = load.take() else {
-                    self.end_round(key, guard).await;
-                    return Err(Error::LoadFailed {
-                        message: "the flight's loader was used already".into(),
-                    });
-                };
-                return Ok(self.compute(key, guard, ttl, load).await);
-            };
-            awaited = Some(round);
+            }
+            // A round is under way. Its number may be unknown (the lease's fence was evicted):
+            // then its failure cannot be read, but its end still wakes this flight.
+            if read.round.is_some() {
+                awaited = read.round;
+            }
             let Some(woken) = woken else {
                 // Subscribe, then read again at once: a fill that came before the
-                // subscription took effect is seen by that read.
-                sub = Some(self.store.subscribe(key).await?);
+                // subscription took effect is seen by that read. The only pass of this loop
+                // that does not wait.
+                match self.store.subscribe(key).await {
+                    Ok(s) => sub = Some(s),
+                    Err(e) => retry.pause(e, key).await?,
+                }
                 continue;
             };
             let gone = flight.gone.listen();
             if self.unwatched(fkey, flight) {
                 return Ok(Resolved::Unwatched);
             }
+            // Reset only here, where every call of a pass has succeeded: a read that works
+            // between subscriptions that fail must not keep the back-off at its first step.
+            retry.reset();
             // A holder that died never publishes: look again when its lease runs out.
             let pause = read
                 .lease_pttl
@@ -846,17 +1156,19 @@ impl Inner {
         }
     }
 
-    /// Runs the loader under the lease `guard`, writes its value fenced by the lease, and
-    /// ends the round.
+    /// Runs the loader in `round`, writes its value fenced by the lease, and ends the round.
+    /// `refreshing`: the value there now, if this is a background refresh (a failure then
+    /// starts the refresh cooldown).
     async fn compute(
         &self,
         key: &crate::LeaseKey,
-        guard: LockGuard,
+        round: Round,
         ttl: Duration,
         load: Loader,
+        refreshing: Option<()>,
     ) -> Resolved {
         bump(&self.stats.loads);
-        let round = guard.fencing_token();
+        let number = round.guard().fencing_token();
         let started = Instant::now();
         let run = AssertUnwindSafe(async move { load().await }).catch_unwind();
         let deadline = started.checked_add(self.options.compute_timeout);
@@ -869,17 +1181,35 @@ impl Inner {
                     delta,
                     grace: self.options.grace(),
                     ttl,
+                    round: number,
                 };
-                match self.store.fill(key, guard.token(), fill).await {
-                    Ok(true) => {}
-                    Ok(false) => tracing::warn!(
-                        %key,
-                        "computed value not cached: the compute lease was lost meanwhile"
-                    ),
-                    Err(e) => tracing::warn!(%key, error = %e, "computed value not cached"),
+                match self.store.fill(key, round.guard().token(), fill).await {
+                    // Released after the fill: waiters read the value as soon as they are
+                    // told (the fill told them).
+                    Ok(true) => {
+                        round.release().await;
+                        return Resolved::Value(bytes);
+                    }
+                    Ok(false) => {
+                        tracing::warn!(
+                            %key,
+                            "computed value not cached: the compute lease was lost meanwhile"
+                        );
+                        round.end().await;
+                        // Fenced out: a newer round may have written; its value is the one
+                        // every other caller gets, so this flight's callers get it too.
+                        if let Ok(Read {
+                            value: Some(newer), ..
+                        }) = self.store.read(key, None).await
+                        {
+                            return Resolved::Value(newer.bytes);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%key, error = %e, "computed value not cached");
+                        round.end().await;
+                    }
                 }
-                // Released after the fill: waiters read the value as soon as they are told.
-                let _ = guard.release().await;
                 return Resolved::Value(bytes);
             }
             Some(Ok(Err(e))) => (Outcome::Loader(e.error), e.message),
@@ -905,48 +1235,48 @@ impl Inner {
         tracing::debug!(%key, %message, "compute failed; not cached");
         // Callers in other processes waiting on this round read the message; later rounds
         // never see it. Kept as long as a waiter may sleep before it looks again.
-        let keep = self.options.lease_ttl.saturating_mul(2);
-        if let Err(e) = self
-            .store
-            .fail(key, guard.token(), round, &message, keep)
-            .await
-        {
-            tracing::warn!(%key, error = %e, "could not record the failed compute");
+        let failure = Failure {
+            round: number,
+            message: &message,
+            keep: self.options.lease_ttl.saturating_mul(2),
+            cooldown: refreshing.map(|()| self.cooldown()),
+        };
+        match self.store.fail(key, round.guard().token(), failure).await {
+            // The script told the waiters.
+            Ok(true) => round.release().await,
+            Ok(false) => round.end().await,
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "could not record the failed compute");
+                round.end().await;
+            }
         }
-        let _ = guard.release().await;
         Resolved::Failed(resolved)
-    }
-
-    /// Ends a round that wrote nothing: release the lease, then wake the waiters so they
-    /// look again (they would otherwise sleep until the lease's TTL).
-    async fn end_round(&self, key: &crate::LeaseKey, guard: LockGuard) {
-        let _ = guard.release().await;
-        if let Err(e) = self.store.notify(key).await {
-            tracing::debug!(%key, error = %e, "could not wake the waiters");
-        }
     }
 
     /// One background refresh of a stale or early-expiring value, unless this process or
     /// another one is refreshing it already ("duck out": the current value is served
-    /// meanwhile).
+    /// meanwhile), or a refresh failed lately (the cooldown).
     async fn refresh(
         &self,
         lock: &Lock,
         ttl: Duration,
-        seen_pttl: Duration,
-        guard: Option<LockGuard>,
+        seen_round: Option<u64>,
+        round: Option<Round>,
         load: Loader,
     ) {
         let name = lock.name().to_owned();
         if !locked(&self.refreshing).insert(name.clone()) {
+            if let Some(round) = round {
+                round.end().await;
+            }
             return;
         }
         let _unmark = Refreshing(self, name);
         let key = lock.key();
-        let guard = match guard {
-            Some(g) => g,
+        let round = match round {
+            Some(r) => r,
             None => match lock.try_acquire().await {
-                Ok(Some(g)) => g,
+                Ok(Some(g)) => self.round(g, key),
                 Ok(None) => return,
                 Err(e) => {
                     tracing::debug!(%key, error = %e, "background refresh skipped");
@@ -954,23 +1284,113 @@ impl Inner {
                 }
             },
         };
-        // Someone refreshed between our read and the lease: the lifetime went up.
+        // Someone refreshed between our read and the lease (another round wrote the value),
+        // or a refresh failed meanwhile: nothing to do.
         match self.store.read(key, None).await {
-            Ok(read) if read.value.as_ref().is_some_and(|v| v.pttl > seen_pttl) => {
-                self.end_round(key, guard).await;
+            Ok(Read { value: Some(v), .. }) if v.cooldown || v.round != seen_round => {
+                round.end().await;
                 return;
             }
             Ok(_) => {}
             Err(e) => {
                 tracing::debug!(%key, error = %e, "background refresh skipped");
-                self.end_round(key, guard).await;
+                round.end().await;
                 return;
             }
         }
         bump(&self.stats.refreshes);
-        if let Resolved::Failed(_) = self.compute(key, guard, ttl, load).await {
+        if let Resolved::Failed(_) = self.compute(key, round, ttl, load, Some(())).await {
             tracing::warn!(%key, "background refresh failed; the current value stays");
         }
+    }
+}
+
+/// A compute round this flight holds the lease of. Every way it ends without a fill wakes
+/// the waiters (in every process) at once, so they look again instead of sleeping until the
+/// lease's TTL: [`end`](Self::end), and dropping it (the flight was cancelled), which does
+/// the same in the background.
+struct Round {
+    key: crate::LeaseKey,
+    guard: Option<LockGuard>,
+    store: Arc<dyn Store>,
+}
+
+impl Round {
+    fn guard(&self) -> &LockGuard {
+        // Taken only by the methods that consume the round.
+        self.guard
+            .as_ref()
+            .expect("a round holds its guard until it ends")
+    }
+
+    /// Releases the lease after a fill or failure that told the waiters already.
+    async fn release(mut self) {
+        if let Some(g) = self.guard.take() {
+            let _ = g.release().await;
+        }
+    }
+
+    /// Ends a round that wrote nothing: release the lease, then wake the waiters.
+    async fn end(mut self) {
+        if let Some(g) = self.guard.take() {
+            let _ = g.release().await;
+        }
+        let key = &self.key;
+        if let Err(e) = self.store.notify(key).await {
+            tracing::debug!(%key, error = %e, "could not wake the waiters");
+        }
+    }
+}
+
+impl Drop for Round {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take() {
+            let (store, key) = (self.store.clone(), self.key.clone());
+            runtime::background().spawn(async move {
+                let _ = g.release().await;
+                let _ = store.notify(&key).await;
+            });
+        }
+    }
+}
+
+/// Retries of a store call that failed while a flight reads or waits: one transient error
+/// must not fail the flight (another process may be computing). Backs off from 10 ms,
+/// doubling up to 500 ms, and gives up (returning the error) when the failures have lasted
+/// about `wait_timeout`, so the callers that started the flight get that error rather
+/// than a timeout.
+struct Backoff {
+    budget: Duration,
+    since: Option<Instant>,
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_millis(500);
+
+    fn new(budget: Duration) -> Self {
+        Backoff {
+            budget,
+            since: None,
+            next: Self::FIRST,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.since = None;
+        self.next = Self::FIRST;
+    }
+
+    async fn pause(&mut self, e: Error, key: &crate::LeaseKey) -> Result<()> {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed().saturating_add(self.next) >= self.budget {
+            return Err(e);
+        }
+        tracing::debug!(%key, error = %e, retry_in = ?self.next, "cache store call failed; retrying");
+        runtime::sleep(self.next).await;
+        self.next = self.next.saturating_mul(2).min(Self::MAX);
+        Ok(())
     }
 }
 
@@ -997,6 +1417,13 @@ mod tests {
             CacheOptions::new().compute_timeout(Duration::ZERO),
             CacheOptions::new().wait_timeout(Duration::ZERO),
             CacheOptions::new().stale_while_revalidate(Duration::ZERO),
+            CacheOptions::new().stale_while_revalidate(Duration::from_micros(999)),
+            CacheOptions::new().stale_while_revalidate(MAX_TTL + Duration::from_millis(1)),
+            CacheOptions::new().compute_timeout(Duration::MAX),
+            CacheOptions::new().wait_timeout(Duration::MAX),
+            CacheOptions::new()
+                .compute_timeout(CacheOptions::MAX_TIMEOUT + Duration::from_nanos(1)),
+            CacheOptions::new().xfetch(f64::INFINITY),
             CacheOptions::new().xfetch(f64::NAN),
             CacheOptions::new().xfetch(0.0),
             CacheOptions::new().key_prefix("a{b"),
@@ -1008,25 +1435,67 @@ mod tests {
             );
         }
         assert!(CacheOptions::new().xfetch(1.0).validate().is_ok());
+        let edges = CacheOptions::new()
+            .compute_timeout(CacheOptions::MAX_TIMEOUT)
+            .wait_timeout(CacheOptions::MAX_TIMEOUT)
+            .stale_while_revalidate(CacheOptions::MIN_STALE_WINDOW);
+        assert!(edges.validate().is_ok());
     }
 
-    #[test]
-    fn stale_values_are_refreshed_and_fresh_ones_kept() {
-        let cache = Cache::new(MemoryBackend::new());
-        let v = |pttl_ms, grace_ms, delta_ms| Cached {
+    fn value(pttl_ms: u64, grace_ms: u64, delta_ms: u64) -> Cached {
+        Cached {
             bytes: Bytes::new(),
             delta: Duration::from_millis(delta_ms),
             grace: Duration::from_millis(grace_ms),
             pttl: Duration::from_millis(pttl_ms),
-        };
-        assert!(matches!(
-            cache.inner.judge(&v(500, 1000, 5)),
-            Judged::Refresh
-        ));
-        assert!(matches!(
-            cache.inner.judge(&v(1500, 1000, 5)),
-            Judged::Fresh
-        ));
-        assert!(matches!(cache.inner.judge(&v(1500, 0, 5)), Judged::Fresh));
+            round: Some(1),
+            cooldown: false,
+        }
+    }
+
+    fn refreshes(v: &Cached, beta: Option<f64>, u: f64) -> bool {
+        matches!(Inner::judge(v, beta, u), Judged::Refresh)
+    }
+
+    #[test]
+    fn stale_values_are_refreshed_and_fresh_ones_kept() {
+        assert!(refreshes(&value(500, 1000, 5), None, 0.5));
+        assert!(!refreshes(&value(1500, 1000, 5), None, 0.5));
+        assert!(!refreshes(&value(1500, 0, 5), None, 0.5));
+    }
+
+    #[test]
+    fn a_refresh_cooldown_serves_the_stale_value_without_refreshing() {
+        let mut v = value(500, 1000, 5);
+        v.cooldown = true;
+        assert!(!refreshes(&v, None, 0.5));
+        assert!(!refreshes(&v, Some(1e9), 1e-300));
+    }
+
+    /// delta = 100 ms, beta = 1, 150 ms of fresh time left: the draw decides. u = e^-1
+    /// gives 100 ms < 150 ms (fresh), u = e^-2 gives 200 ms >= 150 ms (refresh). A delta
+    /// read in the wrong unit (µs as ms, or the reverse) flips one of them.
+    #[test]
+    fn xfetch_refreshes_exactly_when_the_draw_passes_the_threshold() {
+        let v = value(150, 0, 100);
+        assert!(!refreshes(&v, Some(1.0), (-1.0f64).exp()));
+        assert!(refreshes(&v, Some(1.0), (-2.0f64).exp()));
+        // The fresh time is what is left before the stale window, not the whole PTTL.
+        let swr = value(1150, 1000, 100);
+        assert!(!refreshes(&swr, Some(1.0), (-1.0f64).exp()));
+        assert!(refreshes(&swr, Some(1.0), (-2.0f64).exp()));
+        // beta scales the draw: 0.5 · 2 · 100 ms = 100 ms < 150 ms.
+        assert!(!refreshes(&v, Some(0.5), (-2.0f64).exp()));
+        // u = 1 never refreshes early; off never does.
+        assert!(!refreshes(&value(1, 0, 100), Some(1.0), 1.0));
+        assert!(!refreshes(&value(1, 0, 100), None, 1e-300));
+    }
+
+    /// A tiny draw is capped at XFETCH_CAP: 100 ms · 14 = 1.4 s early at most.
+    #[test]
+    fn xfetch_caps_the_draw() {
+        let tiny = 1e-300; // -ln = 690
+        assert!(!refreshes(&value(1500, 0, 100), Some(1.0), tiny));
+        assert!(refreshes(&value(1300, 0, 100), Some(1.0), tiny));
     }
 }

@@ -137,7 +137,11 @@ async fn one_expired_key_under_a_burst_from_four_managers_calls_the_origin_once(
     );
 
     let loads_before: u64 = caches.iter().map(|c| c.stats().loads).sum();
-    let origin = Origin::new();
+    let calls_before: u64 = caches.iter().map(|c| c.stats().calls).sum();
+    // Held shut until every caller has joined and the three other managers wait on the
+    // computing one's round: a burst that finished before the others arrived would prove
+    // nothing about waiting across managers.
+    let origin = Origin::gated(false);
     let mut tasks = Vec::new();
     for i in 0..160 {
         let cache = caches[i % 4].clone();
@@ -146,6 +150,11 @@ async fn one_expired_key_under_a_burst_from_four_managers_calls_the_origin_once(
             cache.get_with("hot", TTL, load).await
         }));
     }
+    let joined = || caches.iter().map(|c| c.stats().calls).sum::<u64>() - calls_before == 160;
+    assert!(wait_for_async(SOON, joined).await);
+    assert!(wait_for_async(SOON, || origin.calls() == 1).await);
+    assert!(wait_for_async(SOON, || fill_waiters(&srv, "hot") == 3).await);
+    origin.open();
     for t in tasks {
         let v = within("a caller's answer", t).await.unwrap().unwrap();
         assert_eq!(&v[..], b"fresh");
@@ -458,6 +467,16 @@ async fn xfetch_refreshes_a_fresh_value_early_in_the_background() {
     );
     assert!(wait_for_async(SOON, || stored(&srv, "x").as_deref() == Some("v2")).await);
     assert_eq!(origin.calls(), 2);
+    // XFetch's delta is stored in µs: the 5 ms loader took between 5 ms and a few seconds.
+    let delta_us: u64 = srv
+        .cmd(&["HGET", &value_key("x"), "d"])
+        .as_str()
+        .and_then(|d| d.parse().ok())
+        .unwrap();
+    assert!(
+        (5_000..5_000_000).contains(&delta_us),
+        "delta {delta_us} µs"
+    );
     assert_eq!(eager.stats().refreshes, 1);
 
     // Off, or with a tiny beta: a fresh value 30 s from expiry is never refreshed.
@@ -520,7 +539,11 @@ async fn a_loader_that_lost_its_lease_cannot_overwrite_the_newer_value() {
 
     slow.open();
     let v = within("A's late loader", old).await.unwrap().unwrap();
-    assert_eq!(&v[..], b"old", "A's own callers get what A computed");
+    assert_eq!(
+        &v[..],
+        b"new",
+        "A was fenced out: its callers get the newer stored value, as everyone else does"
+    );
     assert_eq!(
         stored(&srv, "f").as_deref(),
         Some("new"),
@@ -534,7 +557,7 @@ async fn the_memory_backend_computes_once_across_caches_too() {
     let caches: Vec<Cache> = (0..3)
         .map(|_| Cache::with_options(backend.clone(), opts()).unwrap())
         .collect();
-    let origin = Origin::new();
+    let origin = Origin::gated(false);
     let mut tasks = Vec::new();
     for i in 0..90 {
         let cache = caches[i % 3].clone();
@@ -543,6 +566,11 @@ async fn the_memory_backend_computes_once_across_caches_too() {
             async move { cache.get_with("k", TTL, load).await },
         ));
     }
+    // Every caller in, the other two caches waiting on the first one's round: then open.
+    let joined = || caches.iter().map(|c| c.stats().calls).sum::<u64>() == 90;
+    assert!(wait_for_async(SOON, joined).await);
+    assert!(wait_for_async(SOON, || origin.calls() == 1).await);
+    origin.open();
     for t in tasks {
         assert_eq!(&within("a caller", t).await.unwrap().unwrap()[..], b"m");
     }
@@ -606,4 +634,329 @@ fn works_under_smol_without_a_tokio_runtime() {
         }
         assert_eq!(calls.load(Ordering::SeqCst), 1);
     });
+}
+
+/// A flight whose task was spawned on a runtime that shut down before polling it: the
+/// flight must end with it, not stay in the map for every later caller to time out on.
+#[test]
+fn a_flight_dropped_before_its_first_poll_does_not_wedge_the_key() {
+    let srv = RedisServer::start();
+    // Connected outside both runtimes: the connection lives on the crate's own runtime and
+    // survives the first runtime's shutdown.
+    let backend = futures::executor::block_on(RedisBackend::connect(&srv.url())).unwrap();
+    let cache = Cache::with_options(backend, opts().wait_timeout(Duration::from_secs(5))).unwrap();
+    let first = Origin::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let call = cache.get_with("d", TTL, first.load("never", Duration::ZERO));
+        let mut call = std::pin::pin!(call);
+        // One poll spawns the flight's task; the current-thread runtime has not run it.
+        assert!(futures::poll!(call.as_mut()).is_pending());
+    });
+    drop(rt); // the queued task is dropped unpolled
+    assert_eq!(first.calls(), 0);
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let began = Instant::now();
+    let origin = Origin::new();
+    let v = rt
+        .block_on(cache.get_with("d", TTL, origin.load("ok", Duration::ZERO)))
+        .expect("a new flight computes instead of joining the dropped one");
+    assert_eq!(&v[..], b"ok");
+    assert_eq!(origin.calls(), 1);
+    assert!(
+        began.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        began.elapsed()
+    );
+}
+
+/// Only the tokio feature and no runtime in the caller: the loader runs in the caller's
+/// own future (its thread), not on the crate's private runtime, whose one thread runs the
+/// watchdog and pub/sub handlers of every lease in the process.
+#[cfg(not(any(feature = "smol", feature = "async-std")))]
+#[test]
+fn off_runtime_the_loader_runs_on_the_callers_thread() {
+    let srv = RedisServer::start();
+    futures::executor::block_on(async {
+        let backend = RedisBackend::connect(&srv.url()).await.unwrap();
+        let cache = Cache::with_options(backend, opts()).unwrap();
+        let me = std::thread::current().id();
+        let ran_on = Arc::new(std::sync::Mutex::new(None));
+        let v = cache
+            .get_with("off", TTL, {
+                let ran_on = ran_on.clone();
+                move || async move {
+                    *ran_on.lock().unwrap() = Some(std::thread::current().id());
+                    // tokio timers work in the loader (a tokio context is entered).
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    "v"
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(&v[..], b"v");
+        assert_eq!(*ran_on.lock().unwrap(), Some(me));
+        // Cached: another off-runtime call reads it.
+        let again = cache
+            .get_with("off", TTL, || async { "unused" })
+            .await
+            .unwrap();
+        assert_eq!(&again[..], b"v");
+    });
+}
+
+fn fence_key(key: &str) -> String {
+    format!("redlease:cache:{{{key}}}:fence")
+}
+
+/// Under `allkeys-lru` the lease's fence hash can be evicted while the lease stays: the
+/// round number is then unknown, but a round is under way, and waiters must wait for it
+/// (on the fill channel or the lease's TTL), not loop on reads and failed acquires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_without_its_fence_makes_waiters_wait_not_spin() {
+    let srv = RedisServer::start();
+    let a = cache(&srv, opts()).await;
+    let b = cache(&srv, opts()).await;
+    let origin = Origin::gated(false);
+    let computing = tokio::spawn({
+        let (a, load) = (a.clone(), origin.load("v", Duration::ZERO));
+        async move { a.get_with("e", TTL, load).await }
+    });
+    assert!(wait_for_async(SOON, || origin.calls() == 1).await);
+    assert_eq!(srv.cmd(&["DEL", &fence_key("e")]).as_int(), Some(1));
+    let waiting = tokio::spawn({
+        let (b, load) = (b.clone(), origin.load("unused", Duration::ZERO));
+        async move { b.get_with("e", TTL, load).await }
+    });
+    assert!(wait_for_async(SOON, || fill_waiters(&srv, "e") == 1).await);
+    // A measuring window, not a synchronisation: nothing is expected to happen in it.
+    let before = srv.total_commands();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = srv.total_commands() - before;
+    println!("a waiter on a lease without its fence: {during} commands in 300 ms");
+    assert!(during < 20, "the waiter spins: {during} commands in 300 ms");
+
+    origin.open();
+    let v = within("the waiter", waiting).await.unwrap().unwrap();
+    assert_eq!(&v[..], b"v");
+    let v = within("the loader", computing).await.unwrap().unwrap();
+    assert_eq!(&v[..], b"v");
+    assert_eq!(origin.calls(), 1);
+}
+
+/// A round that ends without a fill (here: A's lease vanished, so its fill is refused)
+/// must wake the waiters of other processes at once; they would otherwise sleep on the
+/// lease's TTL (10 s) before looking again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_that_ends_without_a_fill_wakes_waiters_in_other_managers() {
+    let srv = RedisServer::start();
+    let patient = opts().wait_timeout(Duration::from_secs(30));
+    let a = cache(&srv, patient.clone()).await;
+    let b = cache(&srv, patient).await;
+    let slow = Origin::gated(false);
+    let computing = tokio::spawn({
+        let (a, load) = (a.clone(), slow.load("a", Duration::ZERO));
+        async move { a.get_with("w", TTL, load).await }
+    });
+    assert!(wait_for_async(SOON, || slow.calls() == 1).await);
+    let other = Origin::new();
+    let waiting = tokio::spawn({
+        let (b, load) = (b.clone(), other.load("b", Duration::ZERO));
+        async move { b.get_with("w", TTL, load).await }
+    });
+    assert!(wait_for_async(SOON, || fill_waiters(&srv, "w") == 1).await);
+    // The lease goes without a message (as after an eviction); B sleeps on its TTL...
+    assert_eq!(srv.cmd(&["DEL", &lease_key("w")]).as_int(), Some(1));
+    let began = Instant::now();
+    // ...until A's refused fill ends A's round, which tells B.
+    slow.open();
+    let v = within("the waiter", waiting).await.unwrap().unwrap();
+    let woke = began.elapsed();
+    println!("unfilled round -> waiter in another manager answered after {woke:?}");
+    assert_eq!(&v[..], b"b", "B took the free lease and computed");
+    assert!(woke < Duration::from_secs(3), "B slept {woke:?}");
+    let v = within("the fenced-out loader", computing)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(&v[..] == b"a" || &v[..] == b"b", "{v:?}");
+    assert_eq!((slow.calls(), other.calls()), (1, 1));
+    assert_eq!(stored(&srv, "w").as_deref(), Some("b"));
+}
+
+/// With the origin down during the stale window, a failed refresh starts a cooldown: the
+/// flights after it serve the stale value without calling the origin again until it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn origin_down_in_the_stale_window_is_retried_once_per_cooldown_not_per_flight() {
+    let srv = RedisServer::start();
+    let window = Duration::from_secs(20);
+    let caches = caches(&srv, 2, opts().stale_while_revalidate(window)).await;
+    let ttl = Duration::from_millis(100);
+    caches[0]
+        .get_with("o", ttl, || async { "v1" })
+        .await
+        .unwrap();
+    let stale = || {
+        srv.cmd(&["PTTL", &value_key("o")])
+            .as_int()
+            .is_some_and(|ms| ms > 0 && ms <= window.as_millis() as i64)
+    };
+    assert!(wait_for_async(SOON, stale).await);
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let down = |calls: &Arc<AtomicUsize>| {
+        let calls = calls.clone();
+        move || async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Err::<Bytes, _>(AppError::Origin("connection refused".into()))
+        }
+    };
+    let cooldown_key = "redlease:cache:{o}:cooldown";
+    let v = caches[0]
+        .try_get_with("o", ttl, down(&calls))
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"v1");
+    assert!(
+        wait_for_async(SOON, || srv.cmd(&["EXISTS", cooldown_key]).as_int()
+            == Some(1))
+        .await
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    let began = Instant::now();
+    for i in 0..60 {
+        let v = caches[i % 2]
+            .try_get_with("o", ttl, down(&calls))
+            .await
+            .unwrap();
+        assert_eq!(&v[..], b"v1", "the stale value is served meanwhile");
+    }
+    let spent = began.elapsed();
+    let n = calls.load(Ordering::SeqCst);
+    println!(
+        "60 flights in the stale window with the origin down, over {spent:?} -> {n} origin call(s)"
+    );
+    // One per cooldown (1 s) at most, however many flights.
+    let allowed = 1 + spent.as_millis().div_ceil(1000) as usize;
+    assert!(n <= allowed, "{n} origin calls in {spent:?}");
+
+    // The cooldown ends: the next flight tries the origin again (it is back now).
+    assert!(
+        wait_for_async(SOON, || srv.cmd(&["EXISTS", cooldown_key]).as_int()
+            == Some(0))
+        .await
+    );
+    let before = calls.load(Ordering::SeqCst);
+    let v = caches[1]
+        .try_get_with("o", ttl, || async { Ok::<_, AppError>("v2") })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"v1", "still stale, refreshed behind it");
+    assert!(wait_for_async(SOON, || stored(&srv, "o").as_deref() == Some("v2")).await);
+    assert_eq!(calls.load(Ordering::SeqCst), before);
+}
+
+/// Redis restarts (empty) while a loader runs and other managers wait: every caller gets
+/// a value or a clean error, within its wait_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_mid_load_gives_every_caller_a_value_or_a_clean_error_in_time() {
+    let mut srv = RedisServer::start();
+    let wait = Duration::from_secs(5);
+    let a = cache(&srv, opts().wait_timeout(wait)).await;
+    let b = cache(&srv, opts().wait_timeout(wait)).await;
+    let slow = Origin::gated(false);
+    let computing = tokio::spawn({
+        let (a, load) = (a.clone(), slow.load("a", Duration::ZERO));
+        async move { (Instant::now(), a.get_with("r", TTL, load).await) }
+    });
+    assert!(wait_for_async(SOON, || slow.calls() == 1).await);
+    let other = Origin::new();
+    let mut waiters = Vec::new();
+    for _ in 0..20 {
+        let (b, load) = (b.clone(), other.load("b", Duration::ZERO));
+        waiters.push(tokio::spawn(async move {
+            (Instant::now(), b.get_with("r", TTL, load).await)
+        }));
+    }
+    assert!(wait_for_async(SOON, || b.stats().calls == 20).await);
+    assert!(wait_for_async(SOON, || fill_waiters(&srv, "r") == 1).await);
+
+    srv.restart();
+    slow.open();
+    let (mut values, mut errors) = (0, 0);
+    for t in waiters.into_iter().chain([computing]) {
+        let (began, r) = within("a caller's answer", t).await.unwrap();
+        let took = began.elapsed();
+        assert!(
+            took <= wait + Duration::from_secs(1),
+            "answered after {took:?}"
+        );
+        match r {
+            Ok(v) => {
+                assert!(&v[..] == b"a" || &v[..] == b"b", "{v:?}");
+                values += 1;
+            }
+            Err(e @ (Error::Backend { .. } | Error::Timeout { .. } | Error::LoadFailed { .. })) => {
+                println!("clean error: {e}");
+                errors += 1;
+            }
+            Err(other) => panic!("unexpected error {other:?}"),
+        }
+    }
+    println!(
+        "Redis restarted mid-load: {values} values, {errors} errors; origin calls {} + {}",
+        slow.calls(),
+        other.calls()
+    );
+    assert_eq!(values + errors, 21);
+    // And the cache works on the new server.
+    let v = within(
+        "a call after the restart",
+        b.get_with("r2", TTL, || async { "after" }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&v[..], b"after");
+}
+
+/// Out-of-range options are refused when the cache is made, not turned into "no limit"
+/// (a timeout too long to represent) or "off" (a stale window under a millisecond).
+#[tokio::test]
+async fn out_of_range_options_are_refused() {
+    let srv = RedisServer::start();
+    let backend = RedisBackend::connect(&srv.url()).await.unwrap();
+    let bad = [
+        opts().compute_timeout(Duration::MAX),
+        opts().wait_timeout(Duration::MAX),
+        opts().compute_timeout(CacheOptions::MAX_TIMEOUT + Duration::from_secs(1)),
+        opts().stale_while_revalidate(Duration::from_micros(999)),
+        opts().stale_while_revalidate(Duration::ZERO),
+        opts().lease_ttl(Duration::from_millis(1)),
+        opts().xfetch(f64::INFINITY),
+    ];
+    for o in bad {
+        let made = Cache::with_options(backend.clone(), o.clone());
+        assert!(
+            matches!(made, Err(Error::InvalidConfig(_))),
+            "{o:?} must be refused"
+        );
+    }
+    let edges = opts()
+        .compute_timeout(CacheOptions::MAX_TIMEOUT)
+        .wait_timeout(CacheOptions::MAX_TIMEOUT)
+        .stale_while_revalidate(CacheOptions::MIN_STALE_WINDOW);
+    let cache = Cache::with_options(backend, edges).unwrap();
+    let v = cache
+        .get_with("edge", TTL, || async { "ok" })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"ok");
 }

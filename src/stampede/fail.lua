@@ -1,12 +1,17 @@
 -- Record that a compute round failed, fenced by its lease, so callers in other processes
 -- that wait on that round get the error instead of running the origin again; later rounds
--- never see it (it is keyed by the round's fencing token).
--- KEYS: compute lease, failed rounds hash
--- ARGV: token, round, message, how long to keep it (ms), channel
+-- never see it. One key per round (`…:failed:<round>`), each with its own expiry, so an
+-- origin that keeps failing leaves at most a few short-lived keys, never a growing hash.
+-- A failed background refresh (a value is there) also sets the refresh cooldown marker, so
+-- the stale window does not start a refresh per flight while the origin is down.
+-- KEYS: compute lease, this round's failure key, refresh cooldown marker
+-- ARGV: token, message, how long to keep it (ms), channel, cooldown (ms; 0 for none)
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('PUBLISH', ARGV[5], '1')
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+if tonumber(ARGV[5]) > 0 then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
+end
+redis.call('PUBLISH', ARGV[4], '1')
 return 1

@@ -1,13 +1,14 @@
 -- Write a computed value, fenced by the compute lease: only while the writer's token still
 -- holds it, so a loader that outlived its lease never overwrites a newer value.
 -- KEYS: compute lease, value hash
--- ARGV: token, payload, compute time (us), grace (ms), lifetime (ms: ttl + grace), channel
+-- ARGV: token, payload, compute time (us), grace (ms), lifetime (ms: ttl + grace), channel,
+--       the writing round (the lease's fencing token)
 -- Returns 1 if written (and waiters told on the channel), 0 if the lease is not ours.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'v', ARGV[2], 'd', ARGV[3], 'g', ARGV[4])
+redis.call('HSET', KEYS[2], 'v', ARGV[2], 'd', ARGV[3], 'g', ARGV[4], 'r', ARGV[7])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('PUBLISH', ARGV[6], '1')
 return 1

@@ -28,13 +28,20 @@ pub(crate) struct Cached {
     pub(crate) grace: Duration,
     /// The value's remaining lifetime on the store (grace included).
     pub(crate) pttl: Duration,
+    /// The compute round (fencing token) that wrote it, if known.
+    pub(crate) round: Option<u64>,
+    /// A background refresh failed lately: none is started until the marker expires.
+    pub(crate) cooldown: bool,
 }
 
 /// One read: the value, and the state of the compute lease.
 #[derive(Debug, Default)]
 pub(crate) struct Read {
     pub(crate) value: Option<Cached>,
-    /// The fencing token of the lease's current holder: the compute round under way.
+    /// Whether the compute lease exists: a round is under way, known or not.
+    pub(crate) held: bool,
+    /// The fencing token of the lease's current holder: the compute round under way (`None`
+    /// if the lease is free, or its fence is unknown, as after an eviction).
     pub(crate) round: Option<u64>,
     pub(crate) lease_pttl: Option<Duration>,
     /// The message of the awaited round, if it failed.
@@ -48,6 +55,39 @@ pub(crate) struct Fill {
     pub(crate) delta: Duration,
     pub(crate) grace: Duration,
     pub(crate) ttl: Duration,
+    /// The writing round (the lease's fencing token).
+    pub(crate) round: u64,
+}
+
+/// A failed round to record.
+#[derive(Debug)]
+pub(crate) struct Failure<'a> {
+    pub(crate) round: u64,
+    pub(crate) message: &'a str,
+    pub(crate) keep: Duration,
+    /// Set after a failed background refresh: no refresh starts for this long.
+    pub(crate) cooldown: Option<Duration>,
+}
+
+/// The key of round `round`'s failure (same hash tag as the lease).
+fn failed_key(key: &LeaseKey, round: u64) -> String {
+    format!("{}:{round}", key.cache_part(CachePart::Failed))
+}
+
+/// The refresh cooldown marker (same hash tag as the lease).
+fn cooldown_key(key: &LeaseKey) -> String {
+    format!("{}:cooldown", key.as_str())
+}
+
+/// A bulk reply as bytes. `Null` is matched first: with fred's `default-nil-types` feature
+/// (which any crate in the build may turn on) `into_bytes` maps it to `Some("")`.
+fn bulk(v: Value) -> Option<Bytes> {
+    match v {
+        Value::Null => None,
+        Value::Bytes(b) => Some(b),
+        Value::String(s) => Some(s.into_inner()),
+        other => other.into_bytes(),
+    }
 }
 
 #[async_trait]
@@ -61,16 +101,9 @@ pub(crate) trait Store: Send + Sync + fmt::Debug + 'static {
     /// Writes the value if `token` holds the lease, and wakes waiters.
     async fn fill(&self, key: &LeaseKey, token: &Token, fill: Fill) -> Result<bool>;
 
-    /// Records round `round` as failed with `message` if `token` holds the lease, and wakes
-    /// waiters.
-    async fn fail(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        round: u64,
-        message: &str,
-        keep: Duration,
-    ) -> Result<bool>;
+    /// Records round `round` as failed with `message` (kept `keep`) if `token` holds the
+    /// lease, sets the refresh cooldown marker for `cooldown` if given, and wakes waiters.
+    async fn fail(&self, key: &LeaseKey, token: &Token, failure: Failure<'_>) -> Result<bool>;
 
     /// Wakes waiters with no value written (a round that ended without a fill).
     async fn notify(&self, key: &LeaseKey) -> Result<()>;
@@ -134,37 +167,52 @@ impl Store for RedisStore {
     }
 
     async fn read(&self, key: &LeaseKey, awaited: Option<u64>) -> Result<Read> {
+        let awaited = awaited.unwrap_or(0);
         let keys = vec![
             key.cache_part(CachePart::Value).into(),
             key.as_str().into(),
             key.part(Part::Fence).into(),
-            key.cache_part(CachePart::Failed).into(),
+            failed_key(key, awaited).into(),
+            cooldown_key(key).into(),
         ];
-        let args = vec![awaited.unwrap_or(0).to_string().into()];
+        let args = vec![awaited.to_string().into()];
         let reply = self.eval(&self.read, keys, args).await?;
-        let Value::Array(mut parts) = reply else {
+        let Value::Array(parts) = reply else {
             return Err(Error::backend("the cache read script returned no array"));
         };
-        if parts.len() != 7 {
-            return Err(Error::backend(format!(
-                "the cache read script returned {} values, not 7",
-                parts.len()
-            )));
-        }
-        let failed = parts.pop().and_then(|v| v.into_string());
-        let lease_pttl = millis(&parts[5]);
-        let round = parts[4].as_u64().filter(|&r| r > 0);
-        let value = parts[0].take().into_bytes().map(|bytes| Cached {
-            bytes,
-            delta: Duration::from_micros(parts[1].as_u64().unwrap_or(0)),
-            grace: Duration::from_millis(parts[2].as_u64().unwrap_or(0)),
-            // -1 (no expiry) cannot come from this crate's writes; treat it as long-lived.
-            pttl: millis(&parts[3]).unwrap_or(Duration::MAX),
-        });
+        let Ok::<[Value; 11], _>(parts) = parts.try_into() else {
+            return Err(Error::backend(
+                "the cache read script returned a reply of another shape",
+            ));
+        };
+        let [has, payload, delta, grace, pttl, round, lease_pttl, failed, message, by, cooling] =
+            parts;
+        let flag = |v: &Value| v.as_i64() == Some(1);
+        let failed = if flag(&failed) {
+            Some(
+                bulk(message)
+                    .map_or_else(String::new, |b| String::from_utf8_lossy(&b).into_owned()),
+            )
+        } else {
+            None
+        };
+        let value = match (flag(&has), bulk(payload)) {
+            (true, Some(bytes)) => Some(Cached {
+                bytes,
+                delta: Duration::from_micros(delta.as_u64().unwrap_or(0)),
+                grace: Duration::from_millis(grace.as_u64().unwrap_or(0)),
+                // -1 (no expiry) cannot come from this crate's writes; treat it as long-lived.
+                pttl: millis(&pttl).unwrap_or(Duration::MAX),
+                round: by.as_u64().filter(|&r| r > 0),
+                cooldown: flag(&cooling),
+            }),
+            _ => None,
+        };
         Ok(Read {
             value,
-            round,
-            lease_pttl,
+            held: lease_pttl.as_i64() != Some(-2),
+            round: round.as_u64().filter(|&r| r > 0),
+            lease_pttl: millis(&lease_pttl),
             failed,
         })
     }
@@ -179,29 +227,24 @@ impl Store for RedisStore {
             ms(fill.grace).into(),
             ms(lifetime).max(1).into(),
             key.cache_part(CachePart::Filled).into(),
+            fill.round.to_string().into(),
         ];
         let reply = self.eval(&self.fill, keys, args).await?;
         Ok(reply.as_i64() == Some(1))
     }
 
-    async fn fail(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        round: u64,
-        message: &str,
-        keep: Duration,
-    ) -> Result<bool> {
+    async fn fail(&self, key: &LeaseKey, token: &Token, failure: Failure<'_>) -> Result<bool> {
         let keys = vec![
             key.as_str().into(),
-            key.cache_part(CachePart::Failed).into(),
+            failed_key(key, failure.round).into(),
+            cooldown_key(key).into(),
         ];
         let args = vec![
             token.as_str().into(),
-            round.to_string().into(),
-            message.into(),
-            ms(keep).max(1).into(),
+            failure.message.into(),
+            ms(failure.keep).max(1).into(),
             key.cache_part(CachePart::Filled).into(),
+            failure.cooldown.map_or(0, |d| ms(d).max(1)).into(),
         ];
         let reply = self.eval(&self.fail, keys, args).await?;
         Ok(reply.as_i64() == Some(1))
@@ -231,10 +274,22 @@ pub(crate) struct MemoryValues {
 
 #[derive(Debug, Default)]
 struct MemoryState {
-    values: HashMap<LeaseKey, (Bytes, Duration, Duration, Instant)>,
+    values: HashMap<LeaseKey, Stored>,
     /// Failed rounds: key → (round, message, kept until).
     failed: HashMap<LeaseKey, Vec<(u64, String, Instant)>>,
     events: HashMap<LeaseKey, Weak<Event>>,
+    /// Refresh cooldowns: key → until.
+    cooldowns: HashMap<LeaseKey, Instant>,
+}
+
+/// A value beside a `MemoryBackend`.
+#[derive(Debug)]
+struct Stored {
+    bytes: Bytes,
+    delta: Duration,
+    grace: Duration,
+    round: u64,
+    expires: Instant,
 }
 
 impl MemoryValues {
@@ -278,12 +333,22 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let holder = self.backend.holder(key);
         let mut st = self.values();
+        let cooldown = match st.cooldowns.get(key) {
+            Some(until) if *until > now => true,
+            Some(_) => {
+                st.cooldowns.remove(key);
+                false
+            }
+            None => false,
+        };
         let value = match st.values.get(key) {
-            Some((bytes, delta, grace, expires)) if *expires > now => Some(Cached {
-                bytes: bytes.clone(),
-                delta: *delta,
-                grace: *grace,
-                pttl: *expires - now,
+            Some(v) if v.expires > now => Some(Cached {
+                bytes: v.bytes.clone(),
+                delta: v.delta,
+                grace: v.grace,
+                pttl: v.expires - now,
+                round: Some(v.round),
+                cooldown,
             }),
             Some(_) => {
                 st.values.remove(key);
@@ -301,6 +366,7 @@ impl Store for MemoryStore {
         });
         Ok(Read {
             value,
+            held: holder.is_some(),
             round: holder.map(|(round, _)| round),
             lease_pttl: holder.map(|(_, left)| left),
             failed,
@@ -313,31 +379,34 @@ impl Store for MemoryStore {
             let lifetime = fill.ttl.saturating_add(fill.grace);
             let expires = now.checked_add(lifetime).unwrap_or(now);
             let mut st = self.values();
-            st.values
-                .insert(key.clone(), (fill.bytes, fill.delta, fill.grace, expires));
+            let stored = Stored {
+                bytes: fill.bytes,
+                delta: fill.delta,
+                grace: fill.grace,
+                round: fill.round,
+                expires,
+            };
+            st.values.insert(key.clone(), stored);
             st.wake(key);
         });
         Ok(written.is_some())
     }
 
-    async fn fail(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        round: u64,
-        message: &str,
-        keep: Duration,
-    ) -> Result<bool> {
+    async fn fail(&self, key: &LeaseKey, token: &Token, failure: Failure<'_>) -> Result<bool> {
         let written = self.backend.while_held(key, token, || {
             let now = Instant::now();
+            let later = |d: Duration| now.checked_add(d).unwrap_or(now);
             let mut st = self.values();
             let rounds = st.failed.entry(key.clone()).or_default();
             rounds.retain(|(_, _, until)| *until > now);
             rounds.push((
-                round,
-                message.to_owned(),
-                now.checked_add(keep).unwrap_or(now),
+                failure.round,
+                failure.message.to_owned(),
+                later(failure.keep),
             ));
+            if let Some(cooldown) = failure.cooldown {
+                st.cooldowns.insert(key.clone(), later(cooldown));
+            }
             st.wake(key);
         });
         Ok(written.is_some())
