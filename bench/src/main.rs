@@ -294,7 +294,7 @@ async fn main() {
     // as in production: its cost is in the numbers).
     if plan.runs("W4") {
         eprintln!("W4");
-        writeln!(md, "## W4: Redlock over 3 and 5 nodes\n\nOne shared client per library, W1 (1 task) and W2 (64 tasks, distinct keys) shapes; TTL 30 s; redlease with its restart guard on and the default 50 ms node timeout.\n\n| nodes | shape | redlease explicit | redlease drop | rslock | explicit vs rslock | drop vs rslock | redlease acquire p50 / p99 |\n|---|---|---|---|---|---|---|---|").unwrap();
+        writeln!(md, "## W4: Redlock over 3 and 5 nodes\n\nOne shared client per library, W1 (1 task) and W2 (64 tasks, distinct keys) shapes; TTL 30 s; redlease with its restart guard on and the default 50 ms node timeout.\n\n| nodes | shape | redlease explicit | redlease drop | rslock | explicit vs rslock | drop vs rslock | redlease acquire p50 / p99 | Redis CPU per cycle, all nodes: redlease / rslock |\n|---|---|---|---|---|---|---|---|---|").unwrap();
         let mut paused_rows = Vec::new();
         for (n, nodes) in [(3usize, &w4_nodes.0), (5, &w4_nodes.1)] {
             let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
@@ -312,8 +312,12 @@ async fn main() {
             for (shape, tasks) in [("W1", 1usize), ("W2", 64)] {
                 let (mut explicit, mut dropped, mut rs) = (Vec::new(), Vec::new(), Vec::new());
                 let mut lat = (Vec::new(), Vec::new());
+                // Redis CPU (all nodes) per cycle: redlease explicit, rslock.
+                let mut cpu = (Vec::new(), Vec::new());
+                let nodes_cpu = || nodes.iter().map(workloads::redis_cpu).sum::<f64>();
                 for r in 0..plan.repeats {
                     for k in 0..3 {
+                        let cpu0 = nodes_cpu();
                         match (k + r) % 3 {
                             0 => {
                                 let (c, p50, p99) =
@@ -323,6 +327,8 @@ async fn main() {
                                 explicit.push(c);
                                 lat.0.push(p50.as_secs_f64() * 1e3);
                                 lat.1.push(p99.as_secs_f64() * 1e3);
+                                let cycles = c * plan.dur.as_secs_f64();
+                                cpu.0.push((nodes_cpu() - cpu0) * 1e6 / cycles.max(1.0));
                             }
                             1 => dropped.extend(
                                 workloads::w4_redlease(&locks, tasks, plan.dur, stall, true)
@@ -330,7 +336,12 @@ async fn main() {
                                     .map(|(c, _, _)| c),
                             ),
                             _ => {
-                                rs.extend(workloads::w4_rslock(&urls, tasks, plan.dur, stall).await)
+                                let c = workloads::w4_rslock(&urls, tasks, plan.dur, stall).await;
+                                if let Some(c) = c {
+                                    let cycles = c * plan.dur.as_secs_f64();
+                                    cpu.1.push((nodes_cpu() - cpu0) * 1e6 / cycles.max(1.0));
+                                }
+                                rs.extend(c)
                             }
                         }
                     }
@@ -338,7 +349,7 @@ async fn main() {
                 let rsm = spread(&rs).0.max(1e-9);
                 writeln!(
                     md,
-                    "| {n} | {shape} | {} | {} | {} | {:.2}× | {:.2}× | {:.2} / {:.2} ms |",
+                    "| {n} | {shape} | {} | {} | {} | {:.2}× | {:.2}× | {:.2} / {:.2} ms | {:.1} / {:.1} µs |",
                     fmt_spread(&explicit, ""),
                     fmt_spread(&dropped, ""),
                     fmt_spread(&rs, ""),
@@ -346,6 +357,8 @@ async fn main() {
                     spread(&dropped).0 / rsm,
                     spread(&lat.0).0,
                     spread(&lat.1).0,
+                    spread(&cpu.0).0,
+                    spread(&cpu.1).0,
                 )
                 .unwrap();
 
