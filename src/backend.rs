@@ -25,8 +25,10 @@ pub enum Acquire {
     Acquired {
         /// Strictly greater than every token handed out before for this key.
         fencing_token: u64,
-        /// How long the lease is guaranteed, counted from the moment the attempt started
-        /// (TTL minus clock-drift margin and, for quorum backends, the time the round took).
+        /// How long the lease is guaranteed, counted from the moment the call started: the
+        /// TTL less the clock-drift margin. (A quorum backend's winning round may start
+        /// later than the call, after failed rounds; its validity runs from that round's
+        /// start, and is given here counted from the call's.)
         validity: Duration,
     },
     /// Someone else holds it (or, for an [`Arriving`](Waiting::Arriving) attempt, others
