@@ -628,8 +628,8 @@ impl RedisBackend {
     /// different keys may be regrouped freely, those on one key run in the order they were
     /// made. Each operation joins the first phase of its kind that is not before its key's
     /// previous operation (the same phase if of the same kind: a script runs its entries in
-    /// order); phases are sent one after the other. Distinct keys (the common case) make at
-    /// most one phase per kind.
+    /// order); phases are sent back to back, in order, on the one connection. Distinct keys
+    /// (the common case) make at most one phase per kind.
     async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Reply>> {
         let count = ops.len();
         let phases = if count == 1 {
@@ -639,29 +639,39 @@ impl RedisBackend {
             phases(ops.iter().map(|op| (op.kind(), op.key().as_str())))
         };
         let mut slots: Vec<Option<Op>> = ops.into_iter().map(Some).collect();
-        let mut out: Vec<Option<Reply>> = (0..count).map(|_| None).collect();
-        for (kind, idx) in phases {
-            let taken = idx.iter().filter_map(|&i| slots[i].take());
-            let replies: Vec<Reply> = match kind {
-                Kind::Acquire => {
-                    let reqs = taken.filter_map(Op::into_acquire).collect();
-                    let replies = self.clone().acquire_batch(reqs).await?;
-                    replies.into_iter().map(Reply::Acquire).collect()
+        let calls = phases.into_iter().map(|(kind, idx)| {
+            let taken: Vec<Op> = idx.iter().filter_map(|&i| slots[i].take()).collect();
+            let this = self.clone();
+            async move {
+                let replies: Vec<Reply> = match kind {
+                    Kind::Acquire => {
+                        let reqs = taken.into_iter().filter_map(Op::into_acquire).collect();
+                        let replies = this.acquire_batch(reqs).await?;
+                        replies.into_iter().map(Reply::Acquire).collect()
+                    }
+                    Kind::Fair => {
+                        let reqs = taken.into_iter().filter_map(Op::into_fair).collect();
+                        let replies = this.fair_batch(reqs).await?;
+                        replies.into_iter().map(Reply::Acquire).collect()
+                    }
+                    Kind::Release => {
+                        let reqs = taken.into_iter().filter_map(Op::into_release).collect();
+                        let replies = this.release_batch(reqs).await?;
+                        replies.into_iter().map(Reply::Release).collect()
+                    }
+                };
+                if replies.len() != idx.len() {
+                    return Err(Error::backend("a batched call returned the wrong count"));
                 }
-                Kind::Fair => {
-                    let reqs = taken.filter_map(Op::into_fair).collect();
-                    let replies = self.clone().fair_batch(reqs).await?;
-                    replies.into_iter().map(Reply::Acquire).collect()
-                }
-                Kind::Release => {
-                    let reqs = taken.filter_map(Op::into_release).collect();
-                    let replies = self.clone().release_batch(reqs).await?;
-                    replies.into_iter().map(Reply::Release).collect()
-                }
-            };
-            if replies.len() != idx.len() {
-                return Err(Error::backend("a batched call returned the wrong count"));
+                Ok::<_, Error>((idx, replies))
             }
+        });
+        // Polled in order, each call is handed to the connection on its first poll: the
+        // phases go out back to back, and the server runs them in that order.
+        let calls: Vec<_> = calls.collect();
+        let mut out: Vec<Option<Reply>> = (0..count).map(|_| None).collect();
+        for phase in futures::future::join_all(calls).await {
+            let (idx, replies) = phase?;
             for (i, reply) in idx.into_iter().zip(replies) {
                 out[i] = Some(reply);
             }
