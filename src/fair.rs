@@ -45,7 +45,7 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
     let mut pending = ReleaseOnDrop {
         backend: backend.clone(),
         key: key.clone(),
-        token: Token::random(),
+        token: Token::random().with_label(opts.holder_label.clone()),
         rt: Rt::current(),
         armed: false,
         confirmed: false,

@@ -132,6 +132,9 @@ impl LockGuard {
                 state.clone(),
             )
         });
+        if let (Some(id), Some(cap)) = (watch, opts.max_hold) {
+            manager.watchdog.cap(id, sent + cap);
+        }
         LockGuard {
             held: Some(Held {
                 manager,

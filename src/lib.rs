@@ -93,7 +93,9 @@
 mod backend;
 mod error;
 mod fair;
+mod fenced;
 mod guard;
+mod inspect;
 mod lock;
 mod options;
 mod runtime;
@@ -110,9 +112,13 @@ pub use backend::{
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
 pub use event_listener;
+pub use fenced::FencedWrite;
 pub use guard::{LockGuard, Lost};
+pub use inspect::LockInfo;
 pub use lock::{Lock, LockManager};
-pub use options::{LockOptions, RetryPolicy, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
+pub use options::{
+    host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL,
+};
 pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
 pub use token::{LeaseKey, Token};
 pub use watchdog::WatchdogStats;

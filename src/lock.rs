@@ -9,6 +9,7 @@ use futures::future;
 use crate::backend::{Acquire, Backend, Subscription, Waiting};
 use crate::error::{Error, Result};
 use crate::guard::{LockGuard, ReleaseOnDrop};
+use crate::inspect::LockInfo;
 use crate::options::LockOptions;
 use crate::runtime::{self, Rt};
 use crate::token::{LeaseKey, Token};
@@ -224,6 +225,33 @@ impl Lock {
         self.run(None).await
     }
 
+    /// What the store knows about this lock now: whether it is held and for how long yet,
+    /// the last fencing token, the holder's [label](LockOptions::holder_label), how many
+    /// fair waiters are queued and, for a reentrant hold, its count. `None` when the store has
+    /// no trace of the lock. Never reveals the holder's secret token, so it is safe to log.
+    ///
+    /// ```
+    /// use redlease::{LockManager, MemoryBackend};
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::new(MemoryBackend::new());
+    /// let lock = locks.lock("nightly-report");
+    /// let _held = lock.acquire().await?;
+    /// let info = lock.inspect().await?.expect("held");
+    /// assert!(info.held && info.queue_len == 0);
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for an empty name or a backend that cannot inspect;
+    /// [`Error::Backend`] if the store fails.
+    pub async fn inspect(&self) -> Result<Option<LockInfo>> {
+        if self.name.is_empty() {
+            return Err(Error::invalid("lock name must not be empty"));
+        }
+        self.manager.backend.inspect(&self.key).await
+    }
+
     fn check(&self) -> Result<()> {
         if self.name.is_empty() {
             return Err(Error::invalid("lock name must not be empty"));
@@ -249,7 +277,7 @@ impl Lock {
         let mut pending = ReleaseOnDrop {
             backend: self.manager.backend.clone(),
             key: self.key.clone(),
-            token: Token::random(),
+            token: Token::random().with_label(opts.holder_label.clone()),
             rt: Rt::current(),
             armed: false,
             confirmed: false,

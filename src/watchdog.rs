@@ -9,6 +9,7 @@ use event_listener::Event;
 use futures::future;
 
 use crate::backend::{Backend, Lease};
+use crate::options::MIN_TTL;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
@@ -120,6 +121,8 @@ struct Entry {
     interval: Duration,
     next_due: Instant,
     state: Arc<LeaseState>,
+    /// The maximum hold's end (see `LockOptions::max_hold`): no extension reaches past it.
+    hold_until: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -190,6 +193,7 @@ impl Watchdog {
                 interval,
                 next_due,
                 state,
+                hold_until: None,
             },
         );
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
@@ -217,6 +221,14 @@ impl Watchdog {
     pub(crate) fn unregister(&self, id: u64) {
         let mut reg = self.shared.registry();
         reg.entries.remove(&id);
+    }
+
+    /// Stops extending the lease past `until` (a maximum hold): the last extension is cut
+    /// short to end there, and after it the lease runs out.
+    pub(crate) fn cap(&self, id: u64, until: Instant) {
+        if let Some(e) = self.shared.registry().entries.get_mut(&id) {
+            e.hold_until = Some(until);
+        }
     }
 
     /// After a manual extend: keep extending with the new TTL.
@@ -305,13 +317,25 @@ async fn run(running: Running) {
                     // due within half its interval: leases acquired at different moments fall
                     // into the same round after their first extension.
                     if first_due <= now {
-                        for (&id, e) in reg.entries.iter() {
+                        for (&id, e) in reg.entries.iter_mut() {
                             if e.next_due <= now + e.interval / 2 {
+                                // A capped hold gets extensions that end at the cap; once
+                                // too little is left, none, and the lease runs out.
+                                let left = e.hold_until.map(|u| u.saturating_duration_since(now));
+                                if left.is_some_and(|l| l < MIN_TTL) {
+                                    let deadline = e.state.deadline();
+                                    if e.next_due < deadline {
+                                        tracing::info!(key = %e.key, "max_hold reached: the lease is no longer extended");
+                                    }
+                                    // Looked at again at its deadline, when it is lost.
+                                    e.next_due = deadline;
+                                    continue;
+                                }
                                 due.push(Due {
                                     id,
                                     key: e.key.clone(),
                                     token: e.token.clone(),
-                                    ttl: e.ttl,
+                                    ttl: left.map_or(e.ttl, |l| e.ttl.min(l)),
                                 });
                                 let d = e.state.deadline();
                                 earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
