@@ -91,7 +91,10 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
                     pending,
                 )));
             }
-            Acquire::Held { remaining } => remaining,
+            Acquire::Held { remaining } => {
+                crate::telemetry::contended();
+                remaining
+            }
             // Only a quorum member answers this, and only to `try_acquire_node`.
             Acquire::Warming { remaining } => Some(remaining),
         };

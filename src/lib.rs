@@ -100,6 +100,7 @@ mod lock;
 mod options;
 mod runtime;
 mod stampede;
+mod telemetry;
 mod token;
 mod watchdog;
 

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use event_listener::Event;
 use futures::future;
+use tracing::Instrument;
 
 use crate::backend::{Backend, Lease};
 use crate::options::MIN_TTL;
@@ -295,7 +296,17 @@ async fn run(running: Running) {
         let next_wake = {
             let mut reg = shared.registry();
             let before = reg.entries.len();
-            reg.entries.retain(|_, e| !e.state.check_lost());
+            reg.entries.retain(|_, e| {
+                let lost = e.state.check_lost();
+                if lost {
+                    // Its deadline passed without a confirmed extension (or a max_hold ran
+                    // out); a guard dropped first is unregistered and never seen here.
+                    let _span = tracing::info_span!("redlease.lost", key = %e.key).entered();
+                    tracing::warn!("lease lost: no confirmed extension before its deadline");
+                    crate::telemetry::lost();
+                }
+                !lost
+            });
             reg.stats.lost += (before - reg.entries.len()) as u64;
             match reg.entries.values().map(|e| e.next_due).min() {
                 None => {
@@ -361,8 +372,11 @@ async fn run(running: Running) {
             })
             .collect();
         let started = Instant::now();
+        let span = tracing::debug_span!("redlease.extend", leases = leases.len());
         // Never wait on a hung call past a deadline: the lost signal must not be late.
-        let result = runtime::until(earliest_deadline, shared.backend.extend(&leases)).await;
+        let extending = shared.backend.extend(&leases).instrument(span);
+        let result = runtime::until(earliest_deadline, extending).await;
+        crate::telemetry::watchdog_round(started.elapsed());
         let mut reg = shared.registry();
         reg.stats.rounds += 1;
         match result {
@@ -378,7 +392,10 @@ async fn run(running: Running) {
                         }
                         _ => {
                             // Refused, or confirmed only after the deadline had passed.
-                            tracing::warn!(key = %d.key, "lease lost: extension refused or too late");
+                            let _span =
+                                tracing::info_span!("redlease.lost", key = %d.key).entered();
+                            tracing::warn!("lease lost: extension refused or too late");
+                            crate::telemetry::lost();
                             e.state.mark_lost();
                             reg.entries.remove(&d.id);
                             reg.stats.lost += 1;
