@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use event_listener::{Event, EventListener};
 
 use crate::error::{Error, Result};
+use crate::inspect::LockInfo;
 use crate::token::{LeaseKey, Token};
 
 pub(crate) mod memory;
@@ -291,6 +292,30 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
         let _ = (key, at_least);
         Err(unsupported(&self, "be a Redlock node (raise_fence)"))
+    }
+
+    /// What the store knows about `key` (see [`LockInfo`]), read in one atomic step; `None`
+    /// when it has no trace of the lock (not held, no fencing token remembered, nobody
+    /// queued). Never returns the holder's token. The default refuses with
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Backend, LeaseKey, MemoryBackend, Token, Waiting};
+    /// # futures::executor::block_on(async {
+    /// let b = MemoryBackend::new();
+    /// let key = LeaseKey::new("t:", "job");
+    /// assert!(b.inspect(&key).await?.is_none());
+    /// let token = Token::random().with_label(Some("me".into()));
+    /// b.try_acquire(&key, &token, Duration::from_secs(5), Waiting::No).await?;
+    /// let info = b.inspect(&key).await?.expect("held");
+    /// assert!(info.held);
+    /// assert_eq!(info.holder_label.as_deref(), Some("me"));
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
+        let _ = key;
+        Err(unsupported(&self, "inspect a lock (inspect)"))
     }
 
     /// One atomic attempt on the fair (FIFO) queue of `key`; see [`FairAttempt`].

@@ -45,7 +45,7 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
     let mut pending = ReleaseOnDrop {
         backend: backend.clone(),
         key: key.clone(),
-        token: Token::random(),
+        token: Token::random().with_label(opts.holder_label.clone()),
         rt: Rt::current(),
         armed: false,
         confirmed: false,
@@ -91,7 +91,10 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
                     pending,
                 )));
             }
-            Acquire::Held { remaining } => remaining,
+            Acquire::Held { remaining } => {
+                crate::telemetry::contended();
+                remaining
+            }
             // Only a quorum member answers this, and only to `try_acquire_node`.
             Acquire::Warming { remaining } => Some(remaining),
         };

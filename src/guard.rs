@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use tracing::Instrument;
 
 use crate::backend::{Backend, Lease};
 use crate::error::{Error, Result};
@@ -44,8 +45,18 @@ impl Drop for ReleaseOnDrop {
                 backend.abandon(&key, &token).await
             };
             match released {
-                Ok(released) => tracing::debug!(%key, released, "background release"),
-                Err(e) => tracing::warn!(%key, error = %e, "background release failed; the TTL will free the lock"),
+                Ok(released) => {
+                    if confirmed {
+                        crate::telemetry::release(if released { "released" } else { "not_held" });
+                    }
+                    tracing::debug!(%key, released, "background release");
+                }
+                Err(e) => {
+                    if confirmed {
+                        crate::telemetry::release("error");
+                    }
+                    tracing::warn!(%key, error = %e, "background release failed; the TTL will free the lock");
+                }
             }
         });
     }
@@ -86,10 +97,13 @@ struct Held {
     state: Arc<LeaseState>,
     watch: Option<u64>,
     release: ReleaseOnDrop,
+    /// When the winning attempt was sent, for the hold-time metric.
+    since: Instant,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
+        crate::telemetry::held(self.since.elapsed());
         if let Some(id) = self.watch.take() {
             self.manager.watchdog.unregister(id);
         }
@@ -132,6 +146,9 @@ impl LockGuard {
                 state.clone(),
             )
         });
+        if let (Some(id), Some(cap)) = (watch, opts.max_hold) {
+            manager.watchdog.cap(id, sent + cap);
+        }
         LockGuard {
             held: Some(Held {
                 manager,
@@ -140,6 +157,7 @@ impl LockGuard {
                 state,
                 watch,
                 release,
+                since: sent,
             }),
         }
     }
@@ -223,7 +241,8 @@ impl LockGuard {
             token: &h.release.token,
             ttl,
         };
-        let reply = h.release.backend.extend(&[lease]).await?;
+        let span = tracing::debug_span!("redlease.extend", key = %h.release.key, ?ttl);
+        let reply = h.release.backend.extend(&[lease]).instrument(span).await?;
         match reply.first().copied().flatten() {
             Some(validity) if h.state.confirm(started, validity) => {
                 if let Some(id) = h.watch {
@@ -232,6 +251,8 @@ impl LockGuard {
                 Ok(())
             }
             _ => {
+                // Counted as lost by the watchdog, which drops the lease at its next look.
+                tracing::warn!(key = %h.release.key, "lease lost: extension refused");
                 h.state.mark_lost();
                 Err(Error::NotHeld)
             }
@@ -258,18 +279,32 @@ impl LockGuard {
             held.manager.watchdog.unregister(id);
         }
         let was_lost = held.state.check_lost();
+        let span = tracing::debug_span!(
+            "redlease.release",
+            key = %held.release.key,
+            outcome = tracing::field::Empty
+        );
         let released = held
             .release
             .backend
             .release(&held.release.key, &held.release.token)
+            .instrument(span.clone())
             .await;
         // Dropping `held` below marks the lease lost, so `lost()` resolves.
         held.release.armed = false;
-        match released {
+        let outcome = match released {
             Ok(true) if !was_lost => Ok(()),
             Ok(_) => Err(Error::NotHeld),
             Err(e) => Err(e),
-        }
+        };
+        let name = match &outcome {
+            Ok(()) => "released",
+            Err(Error::NotHeld) => "not_held",
+            Err(_) => "error",
+        };
+        span.record("outcome", name);
+        crate::telemetry::release(name);
+        outcome
     }
 
     /// Gives the lease up without releasing it: the watchdog stops, and the key expires by

@@ -86,6 +86,17 @@
 //! | `async-std` | no | async-std executor when not inside tokio (and smol is off) |
 //! | `tls` | no | `rediss://` URLs (rustls); without it they are refused, never sent in plain text |
 //! | `serde` | no | typed values in [`Cache`] (`get_typed_with`), stored as JSON |
+//! | `metrics` | no | counters and histograms through the `metrics` facade (names in the README) |
+//! | `cli` | no | the `redlease` command-line tool, a distributed flock(1) |
+//!
+//! # Operating locks
+//!
+//! [`Lock::inspect`] tells who holds a lock ([`LockInfo`]: held, TTL left, fencing token,
+//! queue length, the holder's [label](LockOptions::holder_label)); [`LockOptions::max_hold`]
+//! caps how long the watchdog keeps one hold alive; [`RedisBackend::fenced_set`] applies a
+//! write only if its fencing token is not older than the last applied one. Acquire, extend,
+//! release and lost leases emit `tracing` spans (`redlease.acquire`, ...), and with the
+//! `metrics` feature, metrics (`redlease_acquire_total`, `redlease_hold_seconds`, ...).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // No unwrap on I/O paths: errors are returned; the few `expect`s state an invariant.
 #![warn(clippy::unwrap_used)]
@@ -93,11 +104,14 @@
 mod backend;
 mod error;
 mod fair;
+mod fenced;
 mod guard;
+mod inspect;
 mod lock;
 mod options;
 mod runtime;
 mod stampede;
+mod telemetry;
 mod token;
 mod watchdog;
 
@@ -110,9 +124,13 @@ pub use backend::{
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
 pub use event_listener;
+pub use fenced::FencedWrite;
 pub use guard::{LockGuard, Lost};
+pub use inspect::LockInfo;
 pub use lock::{Lock, LockManager};
-pub use options::{LockOptions, RetryPolicy, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
+pub use options::{
+    host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL,
+};
 pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
 pub use token::{LeaseKey, Token};
 pub use watchdog::WatchdogStats;

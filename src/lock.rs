@@ -9,6 +9,7 @@ use futures::future;
 use crate::backend::{Acquire, Backend, Subscription, Waiting};
 use crate::error::{Error, Result};
 use crate::guard::{LockGuard, ReleaseOnDrop};
+use crate::inspect::LockInfo;
 use crate::options::LockOptions;
 use crate::runtime::{self, Rt};
 use crate::token::{LeaseKey, Token};
@@ -197,7 +198,7 @@ impl Lock {
     /// Dropping the future at any point leaves no lease behind: if an attempt may have
     /// reached the store, a compare-and-delete for its token is run in the background.
     pub async fn acquire(&self) -> Result<LockGuard> {
-        self.run(Some(self.options.wait_timeout))
+        self.observed(Some(self.options.wait_timeout))
             .await?
             .ok_or(Error::NotHeld)
     }
@@ -212,7 +213,9 @@ impl Lock {
     ///
     /// As [`acquire`](Self::acquire).
     pub async fn acquire_timeout(&self, timeout: Duration) -> Result<LockGuard> {
-        self.run(Some(Some(timeout))).await?.ok_or(Error::NotHeld)
+        self.observed(Some(Some(timeout)))
+            .await?
+            .ok_or(Error::NotHeld)
     }
 
     /// One attempt: `Ok(None)` if someone else holds the lock.
@@ -221,7 +224,68 @@ impl Lock {
     ///
     /// As [`acquire`](Self::acquire).
     pub async fn try_acquire(&self) -> Result<Option<LockGuard>> {
-        self.run(None).await
+        self.observed(None).await
+    }
+
+    /// [`run`](Self::run) in a `redlease.acquire` span that records the outcome and the
+    /// wait, and counted in the metrics.
+    async fn observed(&self, wait: Option<Option<Duration>>) -> Result<Option<LockGuard>> {
+        use tracing::field::Empty;
+        use tracing::Instrument;
+        let span = tracing::debug_span!(
+            "redlease.acquire",
+            key = %self.key,
+            fair = self.options.fair,
+            outcome = Empty,
+            waited_ms = Empty,
+            fencing_token = Empty,
+        );
+        let began = Instant::now();
+        let result = self.run(wait).instrument(span.clone()).await;
+        let waited = began.elapsed();
+        let outcome = match &result {
+            Ok(Some(guard)) => {
+                span.record("fencing_token", guard.fencing_token());
+                "acquired"
+            }
+            Ok(None) => "busy",
+            Err(Error::Timeout { .. }) => "timeout",
+            Err(_) => "error",
+        };
+        span.record("outcome", outcome);
+        span.record(
+            "waited_ms",
+            u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+        );
+        crate::telemetry::acquire(outcome, waited);
+        result
+    }
+
+    /// What the store knows about this lock now: whether it is held and for how long yet,
+    /// the last fencing token, the holder's [label](LockOptions::holder_label), how many
+    /// fair waiters are queued and, for a reentrant hold, its count. `None` when the store has
+    /// no trace of the lock. Never reveals the holder's secret token, so it is safe to log.
+    ///
+    /// ```
+    /// use redlease::{LockManager, MemoryBackend};
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::new(MemoryBackend::new());
+    /// let lock = locks.lock("nightly-report");
+    /// let _held = lock.acquire().await?;
+    /// let info = lock.inspect().await?.expect("held");
+    /// assert!(info.held && info.queue_len == 0);
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for an empty name or a backend that cannot inspect;
+    /// [`Error::Backend`] if the store fails.
+    pub async fn inspect(&self) -> Result<Option<LockInfo>> {
+        if self.name.is_empty() {
+            return Err(Error::invalid("lock name must not be empty"));
+        }
+        self.manager.backend.inspect(&self.key).await
     }
 
     fn check(&self) -> Result<()> {
@@ -249,7 +313,7 @@ impl Lock {
         let mut pending = ReleaseOnDrop {
             backend: self.manager.backend.clone(),
             key: self.key.clone(),
-            token: Token::random(),
+            token: Token::random().with_label(opts.holder_label.clone()),
             rt: Rt::current(),
             armed: false,
             confirmed: false,
@@ -291,7 +355,10 @@ impl Lock {
                         pending,
                     )));
                 }
-                Acquire::Held { remaining } => remaining,
+                Acquire::Held { remaining } => {
+                    crate::telemetry::contended();
+                    remaining
+                }
                 // Only a quorum member answers this, and only to `try_acquire_node`.
                 Acquire::Warming { remaining } => Some(remaining),
             };

@@ -52,7 +52,12 @@ pub struct LockOptions {
     pub(crate) retry: RetryPolicy,
     pub(crate) key_prefix: Arc<str>,
     pub(crate) fair: bool,
+    pub(crate) holder_label: Option<Arc<str>>,
+    pub(crate) max_hold: Option<Duration>,
 }
+
+/// The longest [holder label](LockOptions::holder_label) accepted, in bytes.
+pub const MAX_LABEL_LEN: usize = 1024;
 
 impl Default for LockOptions {
     fn default() -> Self {
@@ -64,6 +69,8 @@ impl Default for LockOptions {
             retry: RetryPolicy::default(),
             key_prefix: "redlease:".into(),
             fair: false,
+            holder_label: None,
+            max_hold: None,
         }
     }
 }
@@ -151,6 +158,70 @@ impl LockOptions {
         self
     }
 
+    /// A description of the holder (host, pid, task name), stored beside the lease while it
+    /// is held, for [`Lock::inspect`](crate::Lock::inspect) and `redlease inspect` to show
+    /// who holds a lock. It is public: never put secrets in it. Defaults to `None`; at most
+    /// [`MAX_LABEL_LEN`] bytes. [`host_pid_label`] makes the usual `host:pid`.
+    ///
+    /// ```
+    /// use redlease::{LockManager, LockOptions, MemoryBackend};
+    /// # futures::executor::block_on(async {
+    /// let opts = LockOptions::new().holder_label(Some(redlease::host_pid_label()));
+    /// let locks = LockManager::with_options(MemoryBackend::new(), opts)?;
+    /// let lock = locks.lock("report");
+    /// let _held = lock.acquire().await?;
+    /// let info = lock.inspect().await?.expect("held");
+    /// assert_eq!(info.holder_label.as_deref(), Some(redlease::host_pid_label().as_str()));
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub fn holder_label(mut self, label: Option<String>) -> Self {
+        self.holder_label = label.map(Into::into);
+        self
+    }
+
+    /// The configured holder label; see [`holder_label`](Self::holder_label).
+    ///
+    /// ```
+    /// assert_eq!(redlease::LockOptions::new().get_holder_label(), None);
+    /// ```
+    pub fn get_holder_label(&self) -> Option<&str> {
+        self.holder_label.as_deref()
+    }
+
+    /// The longest the watchdog keeps one hold alive. Once a lease has been held for `d`
+    /// (counted from the acquire attempt that won it), the watchdog stops extending it: its
+    /// last extension is cut short so that the lease runs out at `d`, the guard turns
+    /// [lost](crate::LockGuard::lost), and the lock is free for the next acquirer.
+    ///
+    /// Why: the watchdog extends a lease as long as the holder's *process* is alive, not as
+    /// long as its work makes progress. A holder stuck in a deadlock, an endless retry loop
+    /// or a hung call would otherwise keep the lock forever while every other contender
+    /// waits. With a cap, a stuck holder costs at most `d`. Set it well above the longest
+    /// legitimate hold, and watch [`lost`](crate::LockGuard::lost) in the critical section.
+    ///
+    /// Defaults to `None` (no cap). Must be at least the ttl (a lease lives one ttl anyway)
+    /// and at most [`MAX_TTL`]. Explicit [`LockGuard::extend`](crate::LockGuard::extend)
+    /// calls are not capped: they are the holder's own decision.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::LockOptions;
+    /// let opts = LockOptions::new().ttl(Duration::from_secs(10)).max_hold(Duration::from_secs(600));
+    /// assert!(opts.validate().is_ok());
+    /// assert_eq!(opts.get_max_hold(), Some(Duration::from_secs(600)));
+    /// let too_short = LockOptions::new().ttl(Duration::from_secs(10)).max_hold(Duration::from_secs(1));
+    /// assert!(too_short.validate().is_err());
+    /// ```
+    pub fn max_hold(mut self, d: Duration) -> Self {
+        self.max_hold = Some(d);
+        self
+    }
+
+    /// The configured maximum hold; see [`max_hold`](Self::max_hold).
+    pub fn get_max_hold(&self) -> Option<Duration> {
+        self.max_hold
+    }
+
     /// Whether these options make a fair (FIFO) lock; see [`fair`](Self::fair).
     ///
     /// ```
@@ -200,6 +271,23 @@ impl LockOptions {
                 )));
             }
         }
+        if let Some(d) = self.max_hold {
+            if d < self.ttl || d > MAX_TTL {
+                return Err(Error::invalid(format!(
+                    "max_hold {d:?} must be between the ttl {:?} (a lease lives that long \
+                     anyway) and {MAX_TTL:?} (a year)",
+                    self.ttl
+                )));
+            }
+        }
+        if let Some(label) = &self.holder_label {
+            if label.len() > MAX_LABEL_LEN {
+                return Err(Error::invalid(format!(
+                    "holder label is {} bytes long; at most {MAX_LABEL_LEN} are kept",
+                    label.len()
+                )));
+            }
+        }
         if self.key_prefix.contains(['{', '}']) {
             return Err(Error::invalid(format!(
                 "key prefix {:?} must not contain '{{' or '}}': the lock name is the hash tag",
@@ -208,6 +296,29 @@ impl LockOptions {
         }
         self.retry.validate()
     }
+}
+
+/// A holder label naming this process: `<host name>:<process id>`, for
+/// [`LockOptions::holder_label`]. The host name is read from the kernel
+/// (`/proc/sys/kernel/hostname`, then `/etc/hostname`, then `$HOSTNAME`), or is `unknown`;
+/// it reads a small file, so call it once at start-up, not in an async hot path.
+///
+/// ```
+/// let label = redlease::host_pid_label();
+/// assert!(label.ends_with(&format!(":{}", std::process::id())));
+/// ```
+pub fn host_pid_label() -> String {
+    let from_file = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+    };
+    let host = from_file("/proc/sys/kernel/hostname")
+        .or_else(|| from_file("/etc/hostname"))
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| "unknown".to_owned());
+    format!("{host}:{}", std::process::id())
 }
 
 /// How a waiting [`acquire`](crate::Lock::acquire) learns that the lock is free.

@@ -3,39 +3,78 @@
 use std::fmt;
 use std::sync::Arc;
 
-/// The secret value a lease is stored under: 128 bits from a CSPRNG, as 32 hex digits.
+/// The secret value a lease is stored under: 128 bits from a CSPRNG, as 32 hex digits, plus
+/// an optional public description of the holder (its *label*).
 ///
 /// Every acquire makes a fresh token, so two acquirers never share one (the seeds'
 /// `LockTake("LockTakeValue")` pitfall, where every caller used one value and could release
 /// each other's lock, cannot happen). Release and extend compare it on the server.
 ///
-/// `Debug` shows only a prefix: the token is a capability to release the lease.
+/// `Debug` shows only a prefix: the token is a capability to release the lease. The label is
+/// not part of the token's identity (equality and hashing look at the secret only); a store
+/// keeps it beside the lease when it grants one, for
+/// [`Lock::inspect`](crate::Lock::inspect) to show.
 ///
 /// ```
 /// let a = redlease::Token::random();
 /// let b = redlease::Token::random();
 /// assert_ne!(a, b);
 /// assert_eq!(a.as_str().len(), 32);
+/// let labelled = a.clone().with_label(Some("worker-3".into()));
+/// assert_eq!(labelled, a);                       // same secret, same token
+/// assert_eq!(labelled.label(), Some("worker-3"));
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Token(Arc<str>);
+#[derive(Clone)]
+pub struct Token {
+    secret: Arc<str>,
+    label: Option<Arc<str>>,
+}
 
 impl Token {
     /// A fresh token from the thread-local CSPRNG (ChaCha, seeded by the OS).
     pub fn random() -> Self {
         let bits: u128 = rand::random();
-        Token(format!("{bits:032x}").into())
+        Token {
+            secret: format!("{bits:032x}").into(),
+            label: None,
+        }
+    }
+
+    /// The same token, carrying `label` (a holder description, see
+    /// [`LockOptions::holder_label`](crate::LockOptions::holder_label)) to the store.
+    pub fn with_label(mut self, label: Option<Arc<str>>) -> Self {
+        self.label = label;
+        self
     }
 
     /// The token as stored in the backend.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.secret
+    }
+
+    /// The holder description carried with this token, if any.
+    pub fn label(&self) -> Option<&str> {
+        self.label.as_deref()
+    }
+}
+
+impl PartialEq for Token {
+    fn eq(&self, other: &Self) -> bool {
+        self.secret == other.secret
+    }
+}
+
+impl Eq for Token {}
+
+impl std::hash::Hash for Token {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.secret.hash(state);
     }
 }
 
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Token({}…)", &self.0[..self.0.len().min(6)])
+        write!(f, "Token({}…)", &self.secret[..self.secret.len().min(6)])
     }
 }
 
@@ -66,7 +105,7 @@ struct Names {
 }
 
 /// The derived names made with every key, in order: see [`Part`].
-const PARTS: [&str; 7] = [
+const PARTS: [&str; 8] = [
     "fence",
     "waiters",
     "abandoned",
@@ -74,6 +113,7 @@ const PARTS: [&str; 7] = [
     "queue",
     "timeouts",
     "handoff",
+    "owners",
 ];
 
 /// A derived name of a lock (the Redis layout's keys and channel beside the lease).
@@ -89,6 +129,8 @@ pub(crate) enum Part {
     Timeouts = 5,
     /// Fair locks: the channel a release publishes the new queue head's token on.
     Handoff = 6,
+    /// Reentrant locks: the hash {owner: hold count}; read by inspection.
+    Owners = 7,
 }
 
 /// A name beside a cached key's compute lease (see the stampede module). Made when used, not
@@ -200,6 +242,7 @@ mod tests {
             (Part::Queue, "queue"),
             (Part::Timeouts, "timeouts"),
             (Part::Handoff, "handoff"),
+            (Part::Owners, "owners"),
         ] {
             assert_eq!(k.part(part), k.derived(suffix));
         }

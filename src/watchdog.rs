@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use event_listener::Event;
 use futures::future;
+use tracing::Instrument;
 
 use crate::backend::{Backend, Lease};
+use crate::options::MIN_TTL;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
@@ -120,6 +122,8 @@ struct Entry {
     interval: Duration,
     next_due: Instant,
     state: Arc<LeaseState>,
+    /// The maximum hold's end (see `LockOptions::max_hold`): no extension reaches past it.
+    hold_until: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -190,6 +194,7 @@ impl Watchdog {
                 interval,
                 next_due,
                 state,
+                hold_until: None,
             },
         );
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
@@ -217,6 +222,14 @@ impl Watchdog {
     pub(crate) fn unregister(&self, id: u64) {
         let mut reg = self.shared.registry();
         reg.entries.remove(&id);
+    }
+
+    /// Stops extending the lease past `until` (a maximum hold): the last extension is cut
+    /// short to end there, and after it the lease runs out.
+    pub(crate) fn cap(&self, id: u64, until: Instant) {
+        if let Some(e) = self.shared.registry().entries.get_mut(&id) {
+            e.hold_until = Some(until);
+        }
     }
 
     /// After a manual extend: keep extending with the new TTL.
@@ -283,7 +296,17 @@ async fn run(running: Running) {
         let next_wake = {
             let mut reg = shared.registry();
             let before = reg.entries.len();
-            reg.entries.retain(|_, e| !e.state.check_lost());
+            reg.entries.retain(|_, e| {
+                let lost = e.state.check_lost();
+                if lost {
+                    // Its deadline passed without a confirmed extension (or a max_hold ran
+                    // out); a guard dropped first is unregistered and never seen here.
+                    let _span = tracing::info_span!("redlease.lost", key = %e.key).entered();
+                    tracing::warn!("lease lost: no confirmed extension before its deadline");
+                    crate::telemetry::lost();
+                }
+                !lost
+            });
             reg.stats.lost += (before - reg.entries.len()) as u64;
             match reg.entries.values().map(|e| e.next_due).min() {
                 None => {
@@ -305,13 +328,25 @@ async fn run(running: Running) {
                     // due within half its interval: leases acquired at different moments fall
                     // into the same round after their first extension.
                     if first_due <= now {
-                        for (&id, e) in reg.entries.iter() {
+                        for (&id, e) in reg.entries.iter_mut() {
                             if e.next_due <= now + e.interval / 2 {
+                                // A capped hold gets extensions that end at the cap; once
+                                // too little is left, none, and the lease runs out.
+                                let left = e.hold_until.map(|u| u.saturating_duration_since(now));
+                                if left.is_some_and(|l| l < MIN_TTL) {
+                                    let deadline = e.state.deadline();
+                                    if e.next_due < deadline {
+                                        tracing::info!(key = %e.key, "max_hold reached: the lease is no longer extended");
+                                    }
+                                    // Looked at again at its deadline, when it is lost.
+                                    e.next_due = deadline;
+                                    continue;
+                                }
                                 due.push(Due {
                                     id,
                                     key: e.key.clone(),
                                     token: e.token.clone(),
-                                    ttl: e.ttl,
+                                    ttl: left.map_or(e.ttl, |l| e.ttl.min(l)),
                                 });
                                 let d = e.state.deadline();
                                 earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
@@ -337,8 +372,11 @@ async fn run(running: Running) {
             })
             .collect();
         let started = Instant::now();
+        let span = tracing::debug_span!("redlease.extend", leases = leases.len());
         // Never wait on a hung call past a deadline: the lost signal must not be late.
-        let result = runtime::until(earliest_deadline, shared.backend.extend(&leases)).await;
+        let extending = shared.backend.extend(&leases).instrument(span);
+        let result = runtime::until(earliest_deadline, extending).await;
+        crate::telemetry::watchdog_round(started.elapsed());
         let mut reg = shared.registry();
         reg.stats.rounds += 1;
         match result {
@@ -354,7 +392,10 @@ async fn run(running: Running) {
                         }
                         _ => {
                             // Refused, or confirmed only after the deadline had passed.
-                            tracing::warn!(key = %d.key, "lease lost: extension refused or too late");
+                            let _span =
+                                tracing::info_span!("redlease.lost", key = %d.key).entered();
+                            tracing::warn!("lease lost: extension refused or too late");
+                            crate::telemetry::lost();
                             e.state.mark_lost();
                             reg.entries.remove(&d.id);
                             reg.stats.lost += 1;

@@ -9,6 +9,7 @@ use event_listener::{Event, IntoNotification};
 
 use crate::backend::{Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting};
 use crate::error::Result;
+use crate::inspect::LockInfo;
 use crate::token::{LeaseKey, Token};
 
 /// Leases held in this process: for tests, and for single-process apps that want the same
@@ -273,6 +274,24 @@ impl Backend for MemoryBackend {
             st.wake_head(key, now);
         }
         Ok(released)
+    }
+
+    /// Reentrant counts are `None`: this backend has no reentrant layout.
+    async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
+        let now = Instant::now();
+        let mut st = self.state();
+        let mut info = LockInfo::new();
+        if let Some((token, expires)) = st.holder(key, now) {
+            info.held = true;
+            info.remaining = Some(*expires - now);
+            info.holder_label = token.label().map(str::to_owned);
+        }
+        info.fencing_token = st.fences.get(key).copied();
+        if let Some(q) = st.queues.get_mut(key) {
+            q.evict(now);
+            info.queue_len = q.order.len() as u64;
+        }
+        Ok((!info.is_blank()).then_some(info))
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {

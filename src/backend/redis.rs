@@ -19,6 +19,7 @@ use crate::backend::{
     clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, NotSent, Subscription, Waiting,
 };
 use crate::error::{Error, Result};
+use crate::inspect::LockInfo;
 use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
 
@@ -238,6 +239,7 @@ struct Scripts {
     release: Script,
     fence: Script,
     fair_acquire: Script,
+    inspect: Script,
 }
 
 impl Scripts {
@@ -248,6 +250,7 @@ impl Scripts {
             self.release.clone(),
             self.fence.clone(),
             self.fair_acquire.clone(),
+            self.inspect.clone(),
         ])
     }
 }
@@ -375,6 +378,7 @@ impl RedisBackend {
             release: Script::from_lua(include_str!("redis/release.lua")),
             fence: Script::from_lua(include_str!("redis/fence.lua")),
             fair_acquire: Script::from_lua(include_str!("redis/fair_acquire.lua")),
+            inspect: Script::from_lua(include_str!("redis/inspect.lua")),
         };
         // Every connection (the first, and each after a reconnect: a restarted server has
         // no scripts) loads the scripts, so that calls are one EVALSHA, not a NOSCRIPT round
@@ -470,7 +474,7 @@ impl RedisBackend {
     /// Sends fair attempts as one script call; one reply per attempt, in order.
     async fn fair_batch(self, reqs: Vec<FairReq>) -> Result<Vec<Acquire>> {
         let mut keys: Vec<Key> = Vec::with_capacity(reqs.len() * 5);
-        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 5);
         for r in &reqs {
             keys.extend([
                 r.key.as_str().into(),
@@ -486,6 +490,7 @@ impl RedisBackend {
                 ms(r.ttl).into(),
                 expire.into(),
                 r.key.part(Part::Handoff).into(),
+                r.token.label().unwrap_or_default().into(),
             ]);
         }
         let reply: Vec<i64> = self
@@ -531,7 +536,7 @@ impl RedisBackend {
     /// Sends acquire attempts as one script call; one reply per attempt, in order.
     async fn acquire_batch(self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
         let mut keys = Vec::with_capacity(reqs.len() * 4);
-        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 6);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 7);
         for r in &reqs {
             keys.extend(Self::lease_keys(&r.key));
             // The waiters flag outlives the waiter's next re-check, so a release in between
@@ -549,6 +554,7 @@ impl RedisBackend {
                 // Lua numbers are doubles: exact up to 2^53, far above any token.
                 r.terms.get_fence_floor().to_string().into(),
                 ms(r.terms.get_min_uptime()).into(),
+                r.token.label().unwrap_or_default().into(),
             ]);
         }
         let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
@@ -827,6 +833,32 @@ impl Backend for RedisBackend {
 
     async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
         self.release_one(key, token, Duration::ZERO).await
+    }
+
+    async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
+        let keys: Vec<Key> = vec![
+            key.as_str().into(),
+            key.part(Part::Fence).into(),
+            key.part(Part::Timeouts).into(),
+            key.part(Part::Owners).into(),
+        ];
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.inspect, keys, Vec::new())
+            .await?;
+        let [pttl, fence, label, queued, owners] = <[Value; 5]>::try_from(reply)
+            .map_err(|r| Error::backend(format!("inspect script returned {} values", r.len())))?;
+        let int = |v: &Value| v.as_i64().unwrap_or(-1);
+        let text = |v: &Value| v.as_string().filter(|s| !s.is_empty());
+        let pttl = int(&pttl);
+        let mut info = LockInfo::new();
+        info.held = pttl != -2;
+        // -1: a lease without a TTL (set by hand): held, expiry unknown.
+        info.remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
+        info.fencing_token = text(&fence).and_then(|f| f.parse().ok());
+        info.holder_label = text(&label);
+        info.queue_len = u64::try_from(int(&queued)).unwrap_or(0);
+        info.reentrant_count = u64::try_from(int(&owners)).ok();
+        Ok((!info.is_blank()).then_some(info))
     }
 
     async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {

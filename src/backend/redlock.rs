@@ -23,6 +23,7 @@ use crate::backend::{
     not_sent, Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting,
 };
 use crate::error::{Error, Result};
+use crate::inspect::LockInfo;
 use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
@@ -808,6 +809,35 @@ impl Backend for Redlock {
         ))
     }
 
+    /// Asks every node and reports what a majority agrees on: held if a majority holds a
+    /// lease on the key, with the time until fewer than a majority still hold it; the
+    /// highest fencing token any node answered (a grant writes the quorum's token back, so
+    /// it is the last one granted); the label and reentrant count a majority reports.
+    /// [`Error::QuorumNotReached`] if fewer than a majority answer within the node timeout.
+    async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
+        let (n, q) = (self.nodes.len(), self.quorum());
+        let replies = self
+            .fan_out(
+                0..n,
+                self.options.node_timeout,
+                |node| node.inspect(key),
+                |_| false,
+            )
+            .await;
+        let answers: Vec<Option<LockInfo>> = replies
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .collect();
+        if answers.len() < q {
+            return Err(Error::QuorumNotReached {
+                acquired: answers.len(),
+                required: q,
+            });
+        }
+        Ok(agree(&answers, q))
+    }
+
     /// Refused: a FIFO queue over independent nodes would need its own quorum protocol.
     async fn fair_acquire(
         &self,
@@ -821,6 +851,40 @@ impl Backend for Redlock {
              or use a single RedisBackend",
         ))
     }
+}
+
+/// What a majority (`q`) of the nodes' inspection answers agree on; see `Redlock::inspect`.
+fn agree(answers: &[Option<LockInfo>], q: usize) -> Option<LockInfo> {
+    let known: Vec<&LockInfo> = answers.iter().flatten().collect();
+    let mut info = LockInfo::new();
+    // The lease holds while a majority still has it: the q-th longest remaining time.
+    let mut remaining: Vec<Duration> = known
+        .iter()
+        .filter(|i| i.held)
+        .map(|i| i.remaining.unwrap_or(Duration::MAX))
+        .collect();
+    remaining.sort_unstable_by(|a, b| b.cmp(a));
+    if remaining.len() >= q {
+        info.held = true;
+        info.remaining = Some(remaining[q - 1]).filter(|r| *r != Duration::MAX);
+        info.holder_label = majority(known.iter().map(|i| i.holder_label.clone()), q).flatten();
+        info.reentrant_count = majority(known.iter().map(|i| i.reentrant_count), q).flatten();
+    }
+    info.fencing_token = known.iter().filter_map(|i| i.fencing_token).max();
+    info.queue_len = known.iter().map(|i| i.queue_len).max().unwrap_or(0);
+    (!info.is_blank()).then_some(info)
+}
+
+/// The value at least `q` of `values` share, if any.
+fn majority<T: PartialEq>(values: impl Iterator<Item = T>, q: usize) -> Option<T> {
+    let mut counted: Vec<(T, usize)> = Vec::new();
+    for v in values {
+        match counted.iter_mut().find(|(seen, _)| *seen == v) {
+            Some((_, n)) => *n += 1,
+            None => counted.push((v, 1)),
+        }
+    }
+    counted.into_iter().find(|(_, n)| *n >= q).map(|(v, _)| v)
 }
 
 /// One lease's extension answers across the nodes.

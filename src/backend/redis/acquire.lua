@@ -3,11 +3,12 @@
 -- Per lease i (0-based), KEYS[4i+1..4i+4]:
 --   lease key, fence hash {f = last token, r = last released token}, waiters flag,
 --   abandoned tokens (sorted set, see release.lua)
--- ARGV[6i+1..6i+6]:
+-- ARGV[7i+1..7i+7]:
 --   token, ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
 --   1 for a waiting acquire's first attempt (it yields to registered waiters),
 --   fence floor (a quorum's proposed token; 0 for none),
---   minimum uptime (ms; 0 for none: see below)
+--   minimum uptime (ms; 0 for none: see below),
+--   holder label (public description, '' for none; kept as the fence hash's `h` while held)
 -- Returns per lease a pair: {1, fencing token} granted, {0, pttl} held (or yielded to
 -- registered waiters), or {2, ms to go} when this server has been up for less than the
 -- minimum uptime asked (a quorum member that may have restarted empty grants nothing).
@@ -27,8 +28,9 @@ local uptime
 local out = {}
 for i = 0, #KEYS / 4 - 1 do
   local lease, fence, waiters, abandoned = KEYS[4 * i + 1], KEYS[4 * i + 2], KEYS[4 * i + 3], KEYS[4 * i + 4]
-  local token, ttl, flag, arriving = ARGV[6 * i + 1], ARGV[6 * i + 2], ARGV[6 * i + 3], ARGV[6 * i + 4]
-  local floor, min_uptime = tonumber(ARGV[6 * i + 5]), tonumber(ARGV[6 * i + 6])
+  local token, ttl, flag, arriving = ARGV[7 * i + 1], ARGV[7 * i + 2], ARGV[7 * i + 3], ARGV[7 * i + 4]
+  local floor, min_uptime = tonumber(ARGV[7 * i + 5]), tonumber(ARGV[7 * i + 6])
+  local label = ARGV[7 * i + 7]
   if min_uptime > 0 and not uptime then
     local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
     uptime = 1000 * math.max((s or 0) - 1, 0)
@@ -50,6 +52,11 @@ for i = 0, #KEYS / 4 - 1 do
     local last = tonumber(redis.call('HGET', fence, 'f') or '0')
     value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
     redis.call('HSET', fence, 'f', string.format('%.0f', value))
+    if label ~= '' then
+      redis.call('HSET', fence, 'h', label)
+    else
+      redis.call('HDEL', fence, 'h')
+    end
     redis.call('PEXPIRE', fence, FENCE_TTL)
     code = 1
   elseif redis.call('GET', lease) == token then

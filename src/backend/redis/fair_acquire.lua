@@ -3,9 +3,9 @@
 --   lease key, fence hash (see acquire.lua), abandoned tokens (see release.lua),
 --   queue (list of waiting tokens, oldest first), timeouts (sorted set: token -> deadline,
 --   server time in ms)
--- ARGV[4i+1..4i+4]:
+-- ARGV[5i+1..5i+5]:
 --   token, ttl (ms), waiter expiry (ms; 0 for a single attempt, which never joins the queue),
---   hand-off channel
+--   hand-off channel, holder label ('' for none; see acquire.lua)
 -- Returns per attempt a pair: {1, fencing token} granted, or {0, n} not granted, where n is
 -- how long until a re-check is worth it: the holder's PTTL, or, when the lease is free and
 -- another waiter is at the head, that waiter's time left (-1 when unknown).
@@ -21,8 +21,8 @@ local out = {}
 for i = 0, #KEYS / 5 - 1 do
   local lease, fence, abandoned = KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3]
   local queue, timeouts = KEYS[5 * i + 4], KEYS[5 * i + 5]
-  local token, ttl, expire, channel =
-    ARGV[4 * i + 1], ARGV[4 * i + 2], tonumber(ARGV[4 * i + 3]), ARGV[4 * i + 4]
+  local token, ttl, expire, channel, label =
+    ARGV[5 * i + 1], ARGV[5 * i + 2], tonumber(ARGV[5 * i + 3]), ARGV[5 * i + 4], ARGV[5 * i + 5]
   local code, value
   if redis.call('GET', lease) == token then
     -- Ours already: a re-sent attempt (after a reconnect).
@@ -50,6 +50,11 @@ for i = 0, #KEYS / 5 - 1 do
       local last = tonumber(redis.call('HGET', fence, 'f') or '0')
       value = math.max(last + 1, floor)
       redis.call('HSET', fence, 'f', string.format('%.0f', value))
+      if label ~= '' then
+        redis.call('HSET', fence, 'h', label)
+      else
+        redis.call('HDEL', fence, 'h')
+      end
       redis.call('PEXPIRE', fence, 3600000)
       code = 1
     else

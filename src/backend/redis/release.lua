@@ -41,8 +41,10 @@ for i = 0, #KEYS / 6 - 1 do
   end
   if redis.call('GET', lease) == token then
     redis.call('DEL', lease)
-    -- Remember the released token, so a release re-sent after a reconnect still says "ours".
+    -- Remember the released token, so a release re-sent after a reconnect still says "ours";
+    -- the holder's label goes with the lease.
     redis.call('HSET', fence, 'r', token)
+    redis.call('HDEL', fence, 'h')
     redis.call('PEXPIRE', fence, 3600000)
     if redis.call('EXISTS', waiters) == 1 then
       redis.call('PUBLISH', channel, '1')

@@ -1,0 +1,515 @@
+//! `redlease`: a distributed flock(1) on Redis. Holds a lease while a command runs,
+//! terminates the command if the lease is lost, and inspects or force-releases locks.
+//! Run `redlease --help` for the options, examples and exit codes.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use redlease::{Error, LockGuard, LockManager, LockOptions, RedisBackend, RedisOptions};
+
+/// Exit code: the lock is held by someone else and `--no-wait` was given (flock's default;
+/// change it with `-E`).
+const EXIT_CONFLICT: u8 = 1;
+/// Exit code: bad arguments or options (clap's own code for usage errors).
+const EXIT_USAGE: u8 = 2;
+/// Exit code: the lease was lost while the command ran; the command was terminated.
+const EXIT_LOST: u8 = 3;
+/// Exit code: `--wait` ran out before the lock was free.
+const EXIT_TIMEOUT: u8 = 4;
+/// Exit code: Redis could not be reached, or failed.
+const EXIT_UNAVAILABLE: u8 = 5;
+/// Exit code: the command was found but could not be run (as the shell's).
+const EXIT_CANNOT_RUN: u8 = 126;
+/// Exit code: the command was not found (as the shell's).
+const EXIT_NOT_FOUND: u8 = 127;
+
+const EXAMPLES: &str = "\
+Examples:
+  # Run a nightly job on at most one machine at a time; skip this run if it is busy:
+  redlease run --no-wait nightly-report -- /usr/local/bin/report --since yesterday
+
+  # In a crontab, with the server in REDIS_URL (quiet when another host has it):
+  */5 * * * * REDIS_URL=redis://locks.internal:6379 redlease run -n sync -- /opt/sync.sh
+
+  # Wait up to 2 minutes for the lock, holding it with a 10 s lease (renewed while the
+  # command runs); give the command 30 s to stop after a SIGTERM if the lease is lost:
+  redlease run --wait 2m --ttl 10s --grace 30s migrate -- ./migrate.sh
+
+  # Who holds it, and for how long yet?
+  redlease inspect nightly-report
+
+  # Clear a lock by hand (prints what it deletes):
+  redlease release nightly-report --force
+
+The command gets REDLEASE_NAME and REDLEASE_FENCING_TOKEN in its environment: pass the
+token with its writes so that the store can refuse a late write from a holder that lost
+the lock (see the README, \"Fenced writes\").
+
+Exit codes of `run`:
+  the command's own code   when it ran to its end with the lease held
+  128+N                    the command died of signal N
+  1                        the lock is held and --no-wait was given (change with -E)
+  2                        bad arguments
+  3                        the lease was lost: the command was sent SIGTERM (SIGKILL after
+                           --grace) and the tool gave up
+  4                        --wait ran out
+  5                        Redis could not be reached, or failed
+  126, 127                 the command could not be run, or was not found";
+
+/// A distributed flock(1): hold a lock on Redis while a command runs.
+#[derive(Debug, Parser)]
+#[command(name = "redlease", version, after_long_help = EXAMPLES)]
+struct Cli {
+    /// The Redis server.
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        global = true
+    )]
+    url: String,
+
+    /// Prefix of the lock's keys (as `LockOptions::key_prefix` in the library).
+    #[arg(long, default_value = "redlease:", global = true)]
+    prefix: String,
+
+    /// How long to wait for Redis to answer when connecting.
+    #[arg(long, default_value = "5s", value_parser = duration, global = true)]
+    connect_timeout: Duration,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Hold the lock NAME while COMMAND runs (waits for it unless --no-wait or --wait).
+    Run(RunArgs),
+    /// Print who holds the lock NAME, for how long yet, its fencing token and queue.
+    Inspect {
+        /// The lock's name.
+        name: String,
+    },
+    /// Delete the lock NAME whoever holds it (needs --force), and print what was deleted.
+    Release {
+        /// The lock's name.
+        name: String,
+        /// Yes, delete another holder's lease: it will find out when its next renewal fails.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// The lock's name.
+    name: String,
+
+    /// The lease's time to live; renewed every third of it while the command runs. A
+    /// crashed `redlease` frees the lock after at most this long.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    ttl: Duration,
+
+    /// Wait at most this long for the lock (e.g. 500ms, 10s, 2m); default: as long as it
+    /// takes.
+    #[arg(short, long, value_parser = duration, conflicts_with = "no_wait")]
+    wait: Option<Duration>,
+
+    /// Fail at once (exit 1, or -E) if the lock is held.
+    #[arg(short, long)]
+    no_wait: bool,
+
+    /// Exit code when the lock is held and --no-wait was given.
+    #[arg(short = 'E', long, default_value_t = EXIT_CONFLICT)]
+    conflict_exit_code: u8,
+
+    /// Who holds the lock, as `inspect` shows it. Default: host:pid.
+    #[arg(short, long)]
+    label: Option<String>,
+
+    /// Stop renewing the lease after this long: the command is then terminated as on a
+    /// lost lease.
+    #[arg(long, value_parser = duration)]
+    max_hold: Option<Duration>,
+
+    /// After a lost lease, how long the command has to exit after SIGTERM before SIGKILL.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    grace: Duration,
+
+    /// The command and its arguments (put `--` before it if it has options of its own).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<OsString>,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (write e.g. 500ms, 10s, 2m, 1h)"))
+}
+
+/// An error to print, with the exit code that goes with it.
+struct Fail(u8, String);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("redlease: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_UNAVAILABLE);
+        }
+    };
+    let code = runtime.block_on(async {
+        let result = match &cli.command {
+            Command::Run(args) => run(&cli, args).await,
+            Command::Inspect { name } => inspect(&cli, name).await,
+            Command::Release { name, force } => release(&cli, name, *force).await,
+        };
+        result.unwrap_or_else(|Fail(code, msg)| {
+            eprintln!("redlease: {msg}");
+            code
+        })
+    });
+    // The background runtime's tasks (the watchdog, pub/sub) must not hold up the exit.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    ExitCode::from(code)
+}
+
+/// The URL without its password, for messages.
+fn shown_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((_, host)) => format!("{scheme}://***@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+async fn connect(cli: &Cli) -> Result<RedisBackend, Fail> {
+    let opts = RedisOptions::new().connect_timeout(cli.connect_timeout);
+    RedisBackend::connect_with(&cli.url, opts)
+        .await
+        .map_err(|e| match e {
+            Error::InvalidConfig(msg) => Fail(EXIT_USAGE, format!("bad --url / REDIS_URL: {msg}")),
+            e => Fail(
+                EXIT_UNAVAILABLE,
+                format!("cannot reach Redis at {}: {e}", shown_url(&cli.url)),
+            ),
+        })
+}
+
+fn manager(cli: &Cli, backend: RedisBackend, opts: LockOptions) -> Result<LockManager, Fail> {
+    LockManager::with_options(backend, opts.key_prefix(cli.prefix.as_str()))
+        .map_err(|e| Fail(EXIT_USAGE, e.to_string()))
+}
+
+fn store_error(e: Error) -> Fail {
+    match e {
+        Error::InvalidConfig(msg) => Fail(EXIT_USAGE, msg),
+        e => Fail(EXIT_UNAVAILABLE, format!("Redis failed: {e}")),
+    }
+}
+
+async fn inspect(cli: &Cli, name: &str) -> Result<u8, Fail> {
+    let locks = manager(cli, connect(cli).await?, LockOptions::new())?;
+    let lock = locks.lock(name);
+    let info = lock.inspect().await.map_err(store_error)?;
+    println!("name: {name}");
+    println!("key: {}", lock.key());
+    match info {
+        Some(info) => print!("{info}"),
+        None => println!("held: no\n(no trace: never held, or not for over an hour)"),
+    }
+    Ok(0)
+}
+
+/// Deletes the lease whoever holds it, wakes its waiters (plain and the fair queue's head)
+/// and deletes a reentrant owners hash; the fence hash stays, so tokens keep increasing.
+const FORCE_RELEASE: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], 'h')
+local owners = redis.call('DEL', KEYS[3])
+redis.call('PUBLISH', ARGV[1], '1')
+local head = redis.call('LINDEX', KEYS[4], 0)
+if head then
+  redis.call('PUBLISH', ARGV[2], head)
+end
+return 1 + owners
+"#;
+
+async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
+    use fred::interfaces::LuaInterface;
+    if !force {
+        return Err(Fail(
+            EXIT_USAGE,
+            "release deletes another holder's lease: add --force if that is what you want".into(),
+        ));
+    }
+    let backend = connect(cli).await?;
+    let locks = manager(cli, backend.clone(), LockOptions::new())?;
+    let lock = locks.lock(name);
+    let before = lock.inspect().await.map_err(store_error)?;
+    let key = lock.key();
+    let keys = vec![
+        key.as_str().to_owned(),
+        key.derived("fence"),
+        key.derived("owners"),
+        key.derived("queue"),
+    ];
+    let args = vec![key.derived("released"), key.derived("handoff")];
+    let deleted: i64 = backend
+        .client()
+        .eval(FORCE_RELEASE, keys, args)
+        .await
+        .map_err(|e| Fail(EXIT_UNAVAILABLE, format!("Redis failed: {e}")))?;
+    if deleted == 0 {
+        println!("{name} is not held: nothing deleted");
+        return Ok(0);
+    }
+    let mut what = format!("deleted {key}");
+    if let Some(info) = before.filter(|i| i.held) {
+        if let Some(label) = &info.holder_label {
+            what.push_str(&format!(" (holder: {label}"));
+        } else {
+            what.push_str(" (holder: no label");
+        }
+        if let Some(t) = info.fencing_token {
+            what.push_str(&format!(", fencing token {t}"));
+        }
+        if let Some(r) = info.remaining {
+            what.push_str(&format!(", {} ms left", r.as_millis()));
+        }
+        what.push(')');
+    }
+    println!("{what}");
+    if deleted > 1 {
+        println!("deleted {}", key.derived("owners"));
+    }
+    Ok(0)
+}
+
+async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
+    let label = args.label.clone().unwrap_or_else(redlease::host_pid_label);
+    let mut opts = LockOptions::new().ttl(args.ttl).holder_label(Some(label));
+    if let Some(cap) = args.max_hold {
+        opts = opts.max_hold(cap);
+    }
+    opts.validate()
+        .map_err(|e| Fail(EXIT_USAGE, e.to_string()))?;
+    let mut signals = signals::Signals::new()
+        .map_err(|e| Fail(EXIT_UNAVAILABLE, format!("cannot listen for signals: {e}")))?;
+    let locks = manager(cli, connect(cli).await?, opts)?;
+    let lock = locks.lock(&args.name);
+
+    let acquiring = async {
+        if args.no_wait {
+            lock.try_acquire().await
+        } else if let Some(limit) = args.wait {
+            lock.acquire_timeout(limit).await.map(Some)
+        } else {
+            lock.acquire().await.map(Some)
+        }
+    };
+    let acquired = tokio::select! {
+        acquired = acquiring => acquired,
+        // Interrupted while waiting: nothing is held (a dropped acquire leaves no lease).
+        sig = signals.recv() => return Ok(128 + sig.unwrap_or(0)),
+    };
+    let guard = match acquired {
+        Ok(Some(guard)) => guard,
+        Ok(None) => {
+            let holder = lock
+                .inspect()
+                .await
+                .ok()
+                .flatten()
+                .and_then(|i| i.holder_label)
+                .map(|l| format!(" by {l}"))
+                .unwrap_or_default();
+            eprintln!("redlease: {} is held{holder}", args.name);
+            return Ok(args.conflict_exit_code);
+        }
+        Err(Error::Timeout { waited }) => {
+            return Err(Fail(
+                EXIT_TIMEOUT,
+                format!("{} still held after waiting {waited:.1?}", args.name),
+            ))
+        }
+        Err(e) => return Err(store_error(e)),
+    };
+    supervise(args, guard, &mut signals).await
+}
+
+/// Runs the command while `guard` holds the lease.
+async fn supervise(
+    args: &RunArgs,
+    guard: LockGuard,
+    signals: &mut signals::Signals,
+) -> Result<u8, Fail> {
+    let (program, rest) = args
+        .command
+        .split_first()
+        .ok_or_else(|| Fail(EXIT_USAGE, "no command given".into()))?;
+    let spawned = tokio::process::Command::new(program)
+        .args(rest)
+        .env("REDLEASE_NAME", &args.name)
+        .env("REDLEASE_FENCING_TOKEN", guard.fencing_token().to_string())
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = guard.release().await;
+            let shown = program.to_string_lossy();
+            return Err(match e.kind() {
+                std::io::ErrorKind::NotFound => {
+                    Fail(EXIT_NOT_FOUND, format!("{shown}: command not found"))
+                }
+                _ => Fail(EXIT_CANNOT_RUN, format!("{shown}: cannot run it: {e}")),
+            });
+        }
+    };
+    let lost = guard.lost();
+    tokio::pin!(lost);
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            sig = signals.recv() => {
+                if let Some(sig) = sig {
+                    signals::forward(&child, sig);
+                }
+            }
+            () = &mut lost => {
+                eprintln!(
+                    "redlease: lost the lease on {}: stopping the command (SIGTERM, SIGKILL after {:?})",
+                    args.name, args.grace
+                );
+                terminate(&mut child, args.grace).await;
+                return Ok(EXIT_LOST);
+            }
+        }
+    };
+    let status =
+        status.map_err(|e| Fail(EXIT_UNAVAILABLE, format!("waiting for the command: {e}")))?;
+    match guard.release().await {
+        Ok(()) => {}
+        Err(Error::NotHeld) => {
+            eprintln!(
+                "redlease: the lease on {} was lost as the command ended",
+                args.name
+            );
+            return Ok(EXIT_LOST);
+        }
+        // The command ran under the lease; the TTL frees the lock.
+        Err(e) => eprintln!(
+            "redlease: could not release {} ({e}); it expires by its TTL",
+            args.name
+        ),
+    }
+    Ok(exit_code(status))
+}
+
+/// SIGTERM, then SIGKILL once `grace` has passed.
+async fn terminate(child: &mut tokio::process::Child, grace: Duration) {
+    signals::terminate(child);
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+    }
+}
+
+/// The command's exit code, or 128 + the signal that killed it.
+fn exit_code(status: std::process::ExitStatus) -> u8 {
+    if let Some(code) = status.code() {
+        return u8::try_from(code & 0xff).unwrap_or(1);
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return u8::try_from(128 + sig).unwrap_or(255);
+        }
+    }
+    1
+}
+
+/// Forwarded signals: SIGINT, SIGTERM and SIGHUP, on unix.
+#[cfg(unix)]
+mod signals {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    use tokio::signal::unix::{signal, SignalKind};
+
+    pub(crate) struct Signals {
+        int: tokio::signal::unix::Signal,
+        term: tokio::signal::unix::Signal,
+        hup: tokio::signal::unix::Signal,
+    }
+
+    impl Signals {
+        pub(crate) fn new() -> std::io::Result<Self> {
+            Ok(Signals {
+                int: signal(SignalKind::interrupt())?,
+                term: signal(SignalKind::terminate())?,
+                hup: signal(SignalKind::hangup())?,
+            })
+        }
+
+        /// The next signal's number.
+        pub(crate) async fn recv(&mut self) -> Option<u8> {
+            tokio::select! {
+                s = self.int.recv() => s.map(|()| Signal::SIGINT as u8),
+                s = self.term.recv() => s.map(|()| Signal::SIGTERM as u8),
+                s = self.hup.recv() => s.map(|()| Signal::SIGHUP as u8),
+            }
+        }
+    }
+
+    fn send(child: &tokio::process::Child, sig: Signal) {
+        let pid = child.id().and_then(|id| i32::try_from(id).ok());
+        if let Some(pid) = pid {
+            // The child may have exited in the meantime: nothing to do then.
+            let _ = kill(Pid::from_raw(pid), sig);
+        }
+    }
+
+    pub(crate) fn forward(child: &tokio::process::Child, sig: u8) {
+        if let Ok(sig) = Signal::try_from(i32::from(sig)) {
+            send(child, sig);
+        }
+    }
+
+    pub(crate) fn terminate(child: &tokio::process::Child) {
+        send(child, Signal::SIGTERM);
+    }
+}
+
+/// Elsewhere: Ctrl-C is watched while waiting; the command is killed outright on a lost
+/// lease (there is no SIGTERM to send).
+#[cfg(not(unix))]
+mod signals {
+    pub(crate) struct Signals;
+
+    impl Signals {
+        pub(crate) fn new() -> std::io::Result<Self> {
+            Ok(Signals)
+        }
+
+        pub(crate) async fn recv(&mut self) -> Option<u8> {
+            tokio::signal::ctrl_c().await.ok().map(|()| 2)
+        }
+    }
+
+    pub(crate) fn forward(_child: &tokio::process::Child, _sig: u8) {}
+
+    pub(crate) fn terminate(child: &mut tokio::process::Child) {
+        let _ = child.start_kill();
+    }
+}

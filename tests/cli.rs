@@ -1,0 +1,372 @@
+//! The `redlease` command-line tool, end to end: the built binary against a real
+//! redis-server. Two runs on one name serialise, `--no-wait` and `--wait` give their exit
+//! codes, a lost lease (key deleted, server killed) makes the command receive SIGTERM (and
+//! SIGKILL after the grace period) and the tool exit with the lost code, signals are
+//! forwarded, and `inspect` and `release --force` print what they see and do.
+#![cfg(unix)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use redlease::{LockManager, LockOptions, RedisBackend};
+use support::{wait_for, RedisServer};
+
+const EXIT_CONFLICT: i32 = 1;
+const EXIT_USAGE: i32 = 2;
+const EXIT_LOST: i32 = 3;
+const EXIT_TIMEOUT: i32 = 4;
+const EXIT_UNAVAILABLE: i32 = 5;
+
+/// Bound for things that must happen "soon": failing it means a hang, not slowness.
+const SOON: Duration = Duration::from_secs(15);
+
+fn redlease(srv: &RedisServer, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_redlease"));
+    cmd.args(args)
+        .env("REDIS_URL", srv.url())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn output(mut cmd: Command) -> Output {
+    cmd.output().expect("the redlease binary runs")
+}
+
+/// Waits (bounded) for `child` to exit; its output.
+fn finish(child: Child) -> Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(SOON) {
+        Ok(out) => out.expect("waited for redlease"),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("redlease (pid {pid}) did not exit within {SOON:?}");
+        }
+    }
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn scratch(srv: &RedisServer, name: &str) -> PathBuf {
+    let dir = srv.dir().join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// A script that writes "ready" to `ready`, traps SIGTERM (writes "TERM" to `marker`), and
+/// runs until stopped.
+fn trapping(ready: &Path, marker: &Path, on_term: &str) -> String {
+    format!(
+        "trap 'echo TERM > {m}; {on_term}' TERM; echo ready > {r}; while :; do sleep 0.02; done",
+        m = marker.display(),
+        r = ready.display()
+    )
+}
+
+#[test]
+fn two_runs_on_one_name_serialise() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "serialise");
+    let log = dir.join("log");
+    let script = format!(
+        "echo start $$ >> {log}; sleep 0.3; echo end $$ >> {log}",
+        log = log.display()
+    );
+    let runs: Vec<Child> = (0..2)
+        .map(|_| {
+            redlease(
+                &srv,
+                &["run", "--ttl", "2s", "job", "--", "sh", "-c", &script],
+            )
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for run in runs {
+        let out = finish(run);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    }
+    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    // Each start is followed by its own end: no interleaving.
+    for pair in lines.chunks(2) {
+        let (start, end) = (&pair[0], &pair[1]);
+        assert!(start.starts_with("start "), "{lines:?}");
+        assert_eq!(end, &start.replace("start", "end"), "{lines:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_wait_and_wait_give_the_conflict_and_timeout_codes() {
+    let srv = RedisServer::start();
+    let opts = LockOptions::new().holder_label(Some("test-holder".into()));
+    let locks =
+        LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
+    let held = locks.lock("busy").acquire().await.unwrap();
+
+    let cmd = redlease(&srv, &["run", "--no-wait", "busy", "--", "true"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(EXIT_CONFLICT), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("held by test-holder"),
+        "{}",
+        stderr(&out)
+    );
+
+    let cmd = redlease(&srv, &["run", "-n", "-E", "9", "busy", "--", "true"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(9));
+
+    let cmd = redlease(&srv, &["run", "--wait", "300ms", "busy", "--", "true"]);
+    let began = Instant::now();
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(EXIT_TIMEOUT), "{}", stderr(&out));
+    assert!(began.elapsed() >= Duration::from_millis(300));
+
+    // Once released, the same --no-wait run gets the lock and passes the command's code on.
+    held.release().await.unwrap();
+    let cmd = redlease(&srv, &["run", "-n", "busy", "--", "sh", "-c", "exit 7"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+}
+
+#[test]
+fn the_command_gets_the_fencing_token_and_its_codes_pass_through() {
+    let srv = RedisServer::start();
+    let out = output(redlease(
+        &srv,
+        &[
+            "run",
+            "tok",
+            "--",
+            "sh",
+            "-c",
+            "echo $REDLEASE_NAME $REDLEASE_FENCING_TOKEN",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(0));
+    let printed = stdout(&out);
+    let mut words = printed.split_whitespace();
+    assert_eq!(words.next(), Some("tok"));
+    let token: u64 = words.next().unwrap().parse().unwrap();
+    assert!(token > 0);
+    // Killed by a signal: 128 + N, as a shell reports it.
+    let out = output(redlease(
+        &srv,
+        &["run", "sig", "--", "sh", "-c", "kill -9 $$"],
+    ));
+    assert_eq!(out.status.code(), Some(128 + 9));
+    // Not found: 127, as the shell's.
+    let out = output(redlease(&srv, &["run", "nf", "--", "/nonexistent/cmd"]));
+    assert_eq!(out.status.code(), Some(127), "{}", stderr(&out));
+    // The lock was released in each case: free at once.
+    let out = output(redlease(&srv, &["run", "-n", "nf", "--", "true"]));
+    assert_eq!(out.status.code(), Some(0));
+}
+
+/// Runs a trapping command under a short lease, makes the lease go away with `lose`, and
+/// checks that the command got SIGTERM and the tool exited with the lost code.
+fn lost_lease_terminates_the_command(lose: impl FnOnce(&mut RedisServer)) {
+    let mut srv = RedisServer::start();
+    let dir = scratch(&srv, "lost");
+    let (ready, marker) = (dir.join("ready"), dir.join("marker"));
+    let script = trapping(&ready, &marker, "exit 0");
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "5s", "victim", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    assert!(
+        wait_for(SOON, || read(&ready).contains("ready")),
+        "the command started"
+    );
+    lose(&mut srv);
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    assert!(read(&marker).contains("TERM"), "the command got SIGTERM");
+    assert!(stderr(&out).contains("lost the lease"), "{}", stderr(&out));
+}
+
+#[test]
+fn deleting_the_key_terminates_the_command_with_the_lost_code() {
+    lost_lease_terminates_the_command(|srv| {
+        assert_eq!(srv.cmd(&["DEL", "redlease:{victim}"]).as_int(), Some(1));
+    });
+}
+
+#[test]
+fn killing_redis_terminates_the_command_with_the_lost_code() {
+    lost_lease_terminates_the_command(|srv| srv.kill());
+}
+
+#[test]
+fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "grace");
+    let (ready, marker) = (dir.join("ready"), dir.join("marker"));
+    // The trap swallows SIGTERM and keeps running.
+    let script = trapping(&ready, &marker, "true");
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "300ms", "stubborn", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    assert!(wait_for(SOON, || read(&ready).contains("ready")));
+    srv.cmd(&["DEL", "redlease:{stubborn}"]);
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    assert!(read(&marker).contains("TERM"));
+}
+
+#[test]
+fn sigterm_to_the_tool_is_forwarded_to_the_command() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "forward");
+    let (ready, marker) = (dir.join("ready"), dir.join("marker"));
+    let script = trapping(&ready, &marker, "exit 42");
+    let run = redlease(&srv, &["run", "fwd", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    assert!(wait_for(SOON, || read(&ready).contains("ready")));
+    let killed = Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = finish(run);
+    // The command handled it and exited 42; the tool passes that on and releases.
+    assert_eq!(out.status.code(), Some(42), "{}", stderr(&out));
+    assert!(read(&marker).contains("TERM"));
+    assert_eq!(srv.cmd(&["EXISTS", "redlease:{fwd}"]).as_int(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_and_force_release_print_what_they_see_and_delete() {
+    let srv = RedisServer::start();
+    let opts = LockOptions::new().holder_label(Some("batch-7".into()));
+    let locks =
+        LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
+    let guard = locks.lock("nightly").acquire().await.unwrap();
+    let token = guard.fencing_token();
+
+    let cmd = redlease(&srv, &["inspect", "nightly"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(text.contains("held: yes"), "{text}");
+    assert!(text.contains("holder: batch-7"), "{text}");
+    assert!(text.contains(&format!("fencing token: {token}")), "{text}");
+    assert!(text.contains("key: redlease:{nightly}"), "{text}");
+
+    // Without --force: refused, nothing deleted.
+    let cmd = redlease(&srv, &["release", "nightly"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(EXIT_USAGE));
+    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+    assert_eq!(srv.cmd(&["EXISTS", "redlease:{nightly}"]).as_int(), Some(1));
+
+    let cmd = redlease(&srv, &["release", "nightly", "--force"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(text.contains("deleted redlease:{nightly}"), "{text}");
+    assert!(text.contains("holder: batch-7"), "{text}");
+    assert_eq!(srv.cmd(&["EXISTS", "redlease:{nightly}"]).as_int(), Some(0));
+    // The holder finds out: its lease is gone.
+    assert!(matches!(
+        guard.release().await,
+        Err(redlease::Error::NotHeld)
+    ));
+
+    let cmd = redlease(&srv, &["release", "nightly", "--force"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert!(
+        stdout(&out).contains("not held: nothing deleted"),
+        "{}",
+        stdout(&out)
+    );
+
+    let cmd = redlease(&srv, &["inspect", "never-used"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert!(stdout(&out).contains("held: no"), "{}", stdout(&out));
+}
+
+#[test]
+fn bad_input_and_unreachable_servers_get_clear_messages() {
+    let srv = RedisServer::start();
+    let out = output(redlease(&srv, &["run", "--ttl", "soon", "x", "--", "true"]));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE));
+    assert!(stderr(&out).contains("--ttl"), "{}", stderr(&out));
+
+    let out = output(redlease(&srv, &["run", "--ttl", "1ms", "x", "--", "true"]));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE));
+    assert!(stderr(&out).contains("ttl"), "{}", stderr(&out));
+
+    let mut cmd = redlease(&srv, &["--connect-timeout", "1s", "inspect", "x"]);
+    cmd.env("REDIS_URL", "redis://user:secret@127.0.0.1:1");
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(EXIT_UNAVAILABLE));
+    let err = stderr(&out);
+    assert!(
+        err.contains("cannot reach Redis at redis://***@127.0.0.1:1"),
+        "{err}"
+    );
+    assert!(!err.contains("secret"), "{err}");
+
+    let mut cmd = redlease(&srv, &["inspect", "x"]);
+    cmd.env("REDIS_URL", "http://127.0.0.1");
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(EXIT_USAGE));
+    assert!(stderr(&out).contains("scheme"), "{}", stderr(&out));
+
+    let out = output(redlease(&srv, &["--help"]));
+    let help = stdout(&out);
+    assert!(
+        help.contains("Examples:") && help.contains("Exit codes"),
+        "{help}"
+    );
+}

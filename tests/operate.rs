@@ -1,0 +1,313 @@
+//! Operating locks: inspection ("who holds it?") before, during and after a hold, plain and
+//! fair, on Redis, in memory and over Redlock; a maximum hold that ends a hold and fires
+//! `lost()`; fenced writes that refuse a paused holder's late write.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redlease::{
+    Backend, Error, FencedWrite, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend,
+    Redlock, RedlockOptions,
+};
+use support::RedisServer;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Bound for things that must happen "soon": failing it means a hang, not slowness.
+const SOON: Duration = Duration::from_secs(10);
+
+async fn redis(srv: &RedisServer) -> RedisBackend {
+    RedisBackend::connect(&srv.url()).await.unwrap()
+}
+
+fn labelled(ttl: Duration, label: &str) -> LockOptions {
+    LockOptions::new().ttl(ttl).holder_label(Some(label.into()))
+}
+
+/// Inspection before, during and after one plain hold, on any backend.
+async fn inspect_a_plain_hold(backend: Arc<dyn Backend>) {
+    let locks =
+        LockManager::shared(backend, labelled(Duration::from_secs(5), "host-a:42")).unwrap();
+    let lock = locks.lock("report");
+    assert_eq!(lock.inspect().await.unwrap(), None, "never held: no trace");
+
+    let guard = lock.acquire().await.unwrap();
+    let during = lock.inspect().await.unwrap().expect("held");
+    assert!(during.held);
+    assert_eq!(during.holder_label.as_deref(), Some("host-a:42"));
+    assert_eq!(during.fencing_token, Some(guard.fencing_token()));
+    let left = during.remaining.expect("a held lease has a TTL");
+    assert!(left > ms(4000) && left <= ms(5000), "ttl left {left:?}");
+    assert_eq!(during.queue_len, 0);
+    assert_eq!(during.reentrant_count, None);
+    // The printed form shows the label and never the secret token.
+    let shown = format!("{during} {during:?}");
+    assert!(shown.contains("host-a:42"), "{shown}");
+
+    let token = guard.fencing_token();
+    guard.release().await.unwrap();
+    let after = lock
+        .inspect()
+        .await
+        .unwrap()
+        .expect("the last token is remembered");
+    assert!(!after.held);
+    assert_eq!((after.remaining, after.holder_label), (None, None));
+    assert_eq!(after.fencing_token, Some(token));
+
+    // A holder without a label replaces the label; nothing stale shows.
+    let plain = LockManager::shared(locks.backend().clone(), LockOptions::new()).unwrap();
+    let g2 = plain.lock("report").acquire().await.unwrap();
+    let info = lock.inspect().await.unwrap().expect("held");
+    assert!(info.held && info.holder_label.is_none(), "{info:?}");
+    assert!(info.fencing_token > Some(token));
+    g2.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_shows_holder_ttl_and_token_in_memory() {
+    inspect_a_plain_hold(Arc::new(MemoryBackend::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_shows_holder_ttl_and_token_on_redis() {
+    let srv = RedisServer::start();
+    inspect_a_plain_hold(Arc::new(redis(&srv).await)).await;
+    // The label is kept in the fence hash while held and goes with the release.
+    let fence = srv.cmd(&["HGETALL", "redlease:{report}:fence"]);
+    let fields = format!("{fence:?}");
+    assert!(!fields.contains("host-a"), "{fields}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_over_redlock_reports_what_a_majority_holds() {
+    let nodes: Vec<MemoryBackend> = (0..3).map(|_| MemoryBackend::new()).collect();
+    let redlock = Redlock::with_options(nodes.clone(), RedlockOptions::new()).unwrap();
+    inspect_a_plain_hold(Arc::new(redlock)).await;
+
+    // One node alone holding a lease (a stray grant) is not a majority: not held.
+    let key = redlease::LeaseKey::new("redlease:", "stray");
+    let token = redlease::Token::random().with_label(Some("stray".into()));
+    let once = redlease::Waiting::No;
+    nodes[0]
+        .try_acquire(&key, &token, Duration::from_secs(5), once)
+        .await
+        .unwrap();
+    let redlock = Redlock::new(nodes.clone()).unwrap();
+    let info = redlock
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("a fence is known");
+    assert!(!info.held && info.holder_label.is_none(), "{info:?}");
+    // Two of three: held, with that label.
+    nodes[1]
+        .try_acquire(&key, &token, Duration::from_secs(5), once)
+        .await
+        .unwrap();
+    let info = redlock.inspect(&key).await.unwrap().expect("held");
+    assert!(info.held, "{info:?}");
+    assert_eq!(info.holder_label.as_deref(), Some("stray"));
+}
+
+/// Fair waiters are counted while they queue, and leave the count when served.
+async fn inspect_a_fair_queue(backend: Arc<dyn Backend>) {
+    let opts = labelled(Duration::from_secs(5), "fair-holder").fair(true);
+    let locks = LockManager::shared(backend, opts).unwrap();
+    let lock = locks.lock("printer");
+    let holder = lock.acquire().await.unwrap();
+    let w1 = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire().await.map(|g| g.fencing_token()) }
+    });
+    let w2 = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire().await.map(|g| g.fencing_token()) }
+    });
+    // Both waiters show up in the queue (an event on the store: polled with a bound).
+    let began = Instant::now();
+    let mut seen = LockInfo::new();
+    while began.elapsed() < SOON {
+        seen = lock.inspect().await.unwrap().expect("held");
+        if seen.queue_len == 2 {
+            break;
+        }
+        support::sleep_async(ms(5)).await;
+    }
+    assert_eq!(seen.queue_len, 2, "{seen:?}");
+    assert!(seen.held);
+    assert_eq!(seen.holder_label.as_deref(), Some("fair-holder"));
+    holder.release().await.unwrap();
+    tokio::time::timeout(SOON, w1)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(SOON, w2)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let after = lock.inspect().await.unwrap().expect("fence remembered");
+    assert_eq!((after.held, after.queue_len), (false, 0), "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_counts_fair_waiters_in_memory() {
+    inspect_a_fair_queue(Arc::new(MemoryBackend::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_counts_fair_waiters_on_redis() {
+    let srv = RedisServer::start();
+    inspect_a_fair_queue(Arc::new(redis(&srv).await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_reports_a_reentrant_count_from_the_owners_hash() {
+    // The reentrant layout: a hash {owner: count} beside the lease.
+    let srv = RedisServer::start();
+    let locks = LockManager::new(redis(&srv).await);
+    let lock = locks.lock("nested");
+    let _g = lock.acquire().await.unwrap();
+    assert_eq!(lock.inspect().await.unwrap().unwrap().reentrant_count, None);
+    srv.cmd(&["HSET", "redlease:{nested}:owners", "a", "2", "b", "1"]);
+    assert_eq!(
+        lock.inspect().await.unwrap().unwrap().reentrant_count,
+        Some(3)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_refuses_an_empty_name() {
+    let locks = LockManager::new(MemoryBackend::new());
+    let err = locks.lock("").inspect().await.unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+}
+
+#[test]
+fn max_hold_is_checked_against_the_ttl_and_the_year() {
+    let ttl = LockOptions::new().ttl(ms(500));
+    assert!(ttl.clone().max_hold(ms(499)).validate().is_err());
+    assert!(ttl.clone().max_hold(ms(500)).validate().is_ok());
+    let msg = ttl
+        .max_hold(redlease::MAX_TTL + ms(1))
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("max_hold"), "{msg}");
+    let long = "x".repeat(redlease::MAX_LABEL_LEN + 1);
+    assert!(LockOptions::new()
+        .holder_label(Some(long))
+        .validate()
+        .is_err());
+}
+
+/// A capped hold is extended up to the cap, then runs out: `lost()` fires near the cap,
+/// and another contender gets the lock.
+async fn max_hold_ends_the_hold(backend: Arc<dyn Backend>) {
+    let ttl = ms(200);
+    let cap = ms(700);
+    let opts = LockOptions::new().ttl(ttl).max_hold(cap);
+    let locks = LockManager::shared(backend, opts).unwrap();
+    let began = Instant::now();
+    let guard = locks.lock("stuck").acquire().await.unwrap();
+    tokio::time::timeout(SOON, guard.lost())
+        .await
+        .expect("lost() fired");
+    let held = began.elapsed();
+    assert!(guard.is_lost());
+    // Extended past the first ttl (the watchdog worked), stopped by the cap (not later than
+    // the cap plus a watchdog tick).
+    assert!(
+        held > ttl * 2,
+        "lost after {held:?}: the watchdog never extended"
+    );
+    assert!(held <= cap + ms(150), "lost after {held:?}, cap {cap:?}");
+    // The store agrees: someone else takes it within a tick of the cap.
+    let next = locks
+        .lock("stuck")
+        .acquire_timeout(ms(500))
+        .await
+        .expect("the capped lease ran out");
+    assert!(next.fencing_token() > guard.fencing_token());
+    assert!(matches!(guard.release().await, Err(Error::NotHeld)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_hold_ends_a_hold_and_fires_lost_in_memory() {
+    max_hold_ends_the_hold(Arc::new(MemoryBackend::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_hold_ends_a_hold_and_fires_lost_on_redis() {
+    let srv = RedisServer::start();
+    max_hold_ends_the_hold(Arc::new(redis(&srv).await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_max_hold_the_watchdog_keeps_the_lease() {
+    // The control for the test above: same ttl, no cap, held well past 700 ms.
+    let locks =
+        LockManager::with_options(MemoryBackend::new(), LockOptions::new().ttl(ms(200))).unwrap();
+    let guard = locks.lock("kept").acquire().await.unwrap();
+    let lost = tokio::time::timeout(ms(1200), guard.lost()).await;
+    assert!(lost.is_err(), "an uncapped lease was lost");
+    guard.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_write_refuses_a_paused_holders_late_write() {
+    let srv = RedisServer::start();
+    let redis_a = redis(&srv).await;
+    let redis_b = redis(&srv).await;
+    // A holder that will "pause": no watchdog, so its lease runs out while it is away.
+    let a = LockManager::with_options(
+        redis_a.clone(),
+        LockOptions::new().ttl(ms(150)).watchdog(false),
+    )
+    .unwrap();
+    let b = LockManager::with_options(
+        redis_b.clone(),
+        LockOptions::new().ttl(Duration::from_secs(5)),
+    )
+    .unwrap();
+    let held_a = a.lock("report").acquire().await.unwrap();
+    let token_a = held_a.fencing_token();
+    let first = redis_a
+        .fenced_set("report:data", "a-draft", token_a)
+        .await
+        .unwrap();
+    assert_eq!(first, FencedWrite::Applied);
+    // A is paused: its lease runs out and B takes over (B waits for the expiry).
+    let held_b = b.lock("report").acquire_timeout(SOON).await.unwrap();
+    let token_b = held_b.fencing_token();
+    assert!(token_b > token_a);
+    assert_eq!(
+        redis_b
+            .fenced_set("report:data", "b-final", token_b)
+            .await
+            .unwrap(),
+        FencedWrite::Applied
+    );
+    // A wakes up and writes: refused, and B's value stands.
+    assert!(held_a.is_lost());
+    let late = redis_a
+        .fenced_set("report:data", "a-late", token_a)
+        .await
+        .unwrap();
+    assert_eq!(late, FencedWrite::Rejected { newest: token_b });
+    let (value, token) = redis_b.fenced_get("report:data").await.unwrap().unwrap();
+    assert_eq!((&value[..], token), (&b"b-final"[..], token_b));
+    // The holder itself may write again with its own token.
+    assert!(redis_b
+        .fenced_set("report:data", "b-final-2", token_b)
+        .await
+        .unwrap()
+        .is_applied());
+    assert_eq!(redis_b.fenced_get("absent").await.unwrap(), None);
+}
