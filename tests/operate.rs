@@ -120,14 +120,15 @@ async fn inspect_a_fair_queue(backend: Arc<dyn Backend>) {
     let locks = LockManager::shared(backend, opts).unwrap();
     let lock = locks.lock("printer");
     let holder = lock.acquire().await.unwrap();
-    let w1 = tokio::spawn({
-        let lock = lock.clone();
-        async move { lock.acquire().await.map(|g| g.fencing_token()) }
-    });
-    let w2 = tokio::spawn({
-        let lock = lock.clone();
-        async move { lock.acquire().await.map(|g| g.fencing_token()) }
-    });
+    // Each waiter releases before it returns, so the lock is free once both are done (a
+    // dropped guard would release in the background, after the check below).
+    let waiter = |lock: redlease::Lock| async move {
+        let g = lock.acquire().await?;
+        let token = g.fencing_token();
+        g.release().await.map(|()| token)
+    };
+    let w1 = tokio::spawn(waiter(lock.clone()));
+    let w2 = tokio::spawn(waiter(lock.clone()));
     // Both waiters show up in the queue (an event on the store: polled with a bound).
     let began = Instant::now();
     let mut seen = LockInfo::new();
