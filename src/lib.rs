@@ -96,6 +96,7 @@ mod fair;
 mod guard;
 mod lock;
 mod options;
+mod reentrant;
 mod runtime;
 mod stampede;
 mod token;
@@ -105,7 +106,8 @@ pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::redlock::{Redlock, RedlockOptions};
 pub use backend::{
-    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, Released, Subscription, Waiting,
+    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Released,
+    Subscription, Waiting,
 };
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
@@ -113,6 +115,7 @@ pub use event_listener;
 pub use guard::{LockGuard, Lost};
 pub use lock::{Lock, LockManager};
 pub use options::{LockOptions, RetryPolicy, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
+pub use reentrant::{Owner, ReentrantGuard, ReentrantLock, ReentrantLost};
 pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
 pub use token::{LeaseKey, Token};
 pub use watchdog::WatchdogStats;
