@@ -566,7 +566,8 @@ impl ReentrantGuard {
     /// The owner's hold count when this hold was counted, this hold included (1 for the
     /// hold that started the reign). Other holds of the owner, here or in other processes,
     /// may have come and gone since; [`release`](Self::release) returns the count left.
-    /// Over [`Redlock`](crate::Redlock), the largest count a majority of nodes report.
+    /// Over [`Redlock`](crate::Redlock), the largest count among the nodes that answered (a
+    /// node that missed a hold, being down then, counts less).
     pub fn hold_count(&self) -> u32 {
         self.held().count
     }

@@ -877,7 +877,7 @@ impl Backend for Redlock {
         }
     }
 
-    /// On every node; the count left is the largest a majority of nodes report. `None` when more
+    /// On every node; the count left is the largest among the nodes that answered. `None` when more
     /// nodes than a majority can spare do not count the hold.
     async fn reentrant_release(
         &self,
@@ -909,7 +909,7 @@ impl Backend for Redlock {
                 Some(Ok(Some(left))) => Some(*left),
                 _ => None,
             });
-            Ok(Some(majority_count(left, q)))
+            Ok(Some(reported_count(left)))
         } else if no > n - q {
             Ok(None)
         } else {
@@ -1058,7 +1058,7 @@ impl Redlock {
                         lease: lease.clone(),
                         fencing_token: fence,
                         validity: validity + started.saturating_duration_since(call_start),
-                        count: majority_count(nodes.iter().map(|&(_, _, c)| c), q),
+                        count: reported_count(nodes.iter().map(|&(_, _, c)| c)),
                     });
                 }
             }
@@ -1104,16 +1104,11 @@ impl Redlock {
     }
 }
 
-/// The largest count that at least `q` of `counts` reach (per-node counters can differ when
-/// a node missed a hold: this is the count a majority vouches for).
-fn majority_count(counts: impl Iterator<Item = u32>, q: usize) -> u32 {
-    let mut counts: Vec<u32> = counts.collect();
-    counts.sort_unstable_by(|a, b| b.cmp(a));
-    counts
-        .get(q.saturating_sub(1))
-        .or(counts.last())
-        .copied()
-        .unwrap_or(0)
+/// The count to report from per-node counters: the largest. A node counts less than the
+/// others only when it missed holds (it was down or slow then), never more for long (a hold
+/// counted outside the majority's reign is taken back at once).
+fn reported_count(counts: impl Iterator<Item = u32>) -> u32 {
+    counts.max().unwrap_or(0)
 }
 
 /// One lease's extension answers across the nodes.
