@@ -69,6 +69,13 @@
 //! arrival order, across processes: a release wakes only the head of the queue, a crashed
 //! waiter is evicted after a short deadline, and one that gives up leaves at once.
 //!
+//! # Reentrant locks
+//!
+//! [`Lock::reentrant`] takes an explicit [`Owner`] (a task is not a thread, so a thread id
+//! cannot be the owner): holds of the same owner nest, the store counts them per hold (a
+//! re-sent command never counts twice), and the lease goes when the last hold is released.
+//! Plain and reentrant acquirers of one name exclude each other. See [`ReentrantLock`].
+//!
 //! # Drop and cancellation
 //!
 //! Dropping a [`LockGuard`] schedules its release on the runtime it was acquired on and
