@@ -12,6 +12,7 @@ use event_listener::{Event, EventListener};
 
 use crate::error::{Error, Result};
 use crate::inspect::LockInfo;
+use crate::reentrant::Owner;
 use crate::token::{LeaseKey, Token};
 
 pub(crate) mod memory;
@@ -213,6 +214,10 @@ pub struct Lease<'a> {
 ///   [`fair_subscribe`](Backend::fair_subscribe). A backend that has them also makes
 ///   `release` wake the head of the key's queue and `abandon` take the token out of the
 ///   queue. The defaults refuse with [`Error::InvalidConfig`].
+/// - Reentrant locks, optional: [`reentrant_acquire`](Backend::reentrant_acquire) and
+///   [`reentrant_release`](Backend::reentrant_release). A backend that has them also makes
+///   `extend`, given a reign's lease token (a [`Token::hold`]), keep the whole reign alive.
+///   The defaults refuse with [`Error::InvalidConfig`].
 ///
 /// ```
 /// use redlease::{Backend, MemoryBackend, LeaseKey, Token, Acquire};
@@ -387,6 +392,138 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         let _ = (key, token);
         Err(fair_unsupported::<Self>())
     }
+
+    /// One atomic attempt to add the hold `hold` of `owner` to the reentrant lock `key`
+    /// (see [`ReentrantLock`](crate::ReentrantLock)).
+    ///
+    /// The lease is the plain lock's key, so plain and reentrant acquirers exclude each
+    /// other. If the key is free, a new *reign* starts: the lease is set to `hold` (which
+    /// must come from [`Token::hold`]) for `ttl`, a fencing token is minted as by
+    /// [`try_acquire_node`](Self::try_acquire_node) (honouring `terms`), and the count is 1.
+    /// If the key is held by a reign of `owner`, the hold is added to it: the count goes up
+    /// by one, the lease keeps its token and fencing token, and its TTL is raised to `ttl`
+    /// if shorter. Otherwise the answer is `Held` (a `Waiting` attempt registers as a
+    /// waiter, an `Arriving` one yields to registered waiters when the key is free, as in
+    /// [`try_acquire`](Self::try_acquire)).
+    ///
+    /// Idempotent per hold: a replayed attempt for a hold already counted answers the same
+    /// without counting it twice; a hold that was abandoned (see
+    /// [`reentrant_release`](Self::reentrant_release)) is never counted. The reign's state
+    /// lives exactly as long as its lease: [`extend`](Self::extend) with the lease token
+    /// keeps all of it alive. A quorum backend ([`Redlock`](crate::Redlock)) ignores
+    /// `terms` and sets its own for its nodes.
+    ///
+    /// The default refuses with [`Error::InvalidConfig`]: reentrant locks are not supported
+    /// by this backend.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{Backend, LeaseKey, MemoryBackend, NodeTerms, Owner, ReentrantAcquire, Token, Waiting};
+    /// # futures::executor::block_on(async {
+    /// let b = MemoryBackend::new();
+    /// let key = LeaseKey::new("t:", "job");
+    /// let (job, other) = (Owner::named("job-1"), Owner::random());
+    /// let (outer, inner) = (Token::hold(), Token::hold());
+    /// let (ttl, once, terms) = (Duration::from_secs(5), Waiting::No, NodeTerms::new());
+    /// let first = b.reentrant_acquire(&key, &job, &outer, ttl, once, terms).await?;
+    /// let ReentrantAcquire::Acquired { count: 1, fencing_token, .. } = first else { panic!() };
+    /// // The same owner again: counted, same fencing token.
+    /// let again = b.reentrant_acquire(&key, &job, &inner, ttl, once, terms).await?;
+    /// assert!(matches!(again, ReentrantAcquire::Acquired { count: 2, fencing_token: f, .. } if f == fencing_token));
+    /// // A replay of the same hold is not counted twice.
+    /// let replay = b.reentrant_acquire(&key, &job, &inner, ttl, once, terms).await?;
+    /// assert!(matches!(replay, ReentrantAcquire::Acquired { count: 2, .. }));
+    /// // Another owner waits.
+    /// let theirs = b.reentrant_acquire(&key, &other, &Token::hold(), ttl, once, terms).await?;
+    /// assert!(matches!(theirs, ReentrantAcquire::Held { .. }));
+    /// // Release in any order; the lease goes at zero.
+    /// assert_eq!(b.reentrant_release(&key, &job, &outer, Some(&outer)).await?, Some(1));
+    /// assert_eq!(b.reentrant_release(&key, &job, &inner, Some(&outer)).await?, Some(0));
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    async fn reentrant_acquire(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+    ) -> Result<ReentrantAcquire> {
+        let _ = (key, owner, hold, ttl, waiting, terms);
+        Err(reentrant_unsupported::<Self>())
+    }
+
+    /// Takes the hold `hold` of `owner` out of the reentrant lock `key`: the count goes
+    /// down by one, and at zero the lease is deleted and waiters are woken, as by
+    /// [`release`](Self::release). Returns the count left (`Some(0)`: the lease is gone),
+    /// or `None` if the hold is not counted in the reign that holds the key (it was never
+    /// counted, or its reign was lost: a stale hold never touches another reign's count,
+    /// and the count never goes below zero).
+    ///
+    /// `lease` is the reign's lease token as the caller knows it (from
+    /// [`ReentrantAcquire::Acquired`]): a replayed release of a hold already released from
+    /// that reign answers the count again instead of `None`, and never counts twice.
+    /// `None` abandons an attempt whose outcome the caller never learnt: the hold is taken
+    /// out if it was counted, and barred from being counted by a late copy of the attempt
+    /// (as [`abandon`](Self::abandon)).
+    ///
+    /// The default refuses, as [`reentrant_acquire`](Self::reentrant_acquire).
+    async fn reentrant_release(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        lease: Option<&Token>,
+    ) -> Result<Option<u32>> {
+        let _ = (key, owner, hold, lease);
+        Err(reentrant_unsupported::<Self>())
+    }
+}
+
+/// The outcome of one [`Backend::reentrant_acquire`] attempt.
+///
+/// ```
+/// use std::time::Duration;
+/// let held = redlease::ReentrantAcquire::Held { remaining: Some(Duration::from_millis(80)) };
+/// assert!(!matches!(held, redlease::ReentrantAcquire::Acquired { .. }));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReentrantAcquire {
+    /// The hold is counted.
+    Acquired {
+        /// The lease's token: the hold that started the reign. The guard's watchdog extends
+        /// the lease with it.
+        lease: Token,
+        /// The reign's fencing token (a re-entry keeps it).
+        fencing_token: u64,
+        /// How long the lease is guaranteed, counted from the moment the attempt started.
+        validity: Duration,
+        /// The owner's hold count, this hold included.
+        count: u32,
+    },
+    /// Someone else holds it (another owner, or a plain lock), or, for an
+    /// [`Arriving`](Waiting::Arriving) attempt, others wait for it.
+    Held {
+        /// The holder's remaining TTL, if the store knows it.
+        remaining: Option<Duration>,
+    },
+    /// A quorum member that has been up for less than the `min_uptime` it was asked for
+    /// (see [`Acquire::Warming`]).
+    Warming {
+        /// How long until it has been up long enough.
+        remaining: Duration,
+    },
+}
+
+/// The refusal of a backend without reentrant locks (the trait's default methods).
+fn reentrant_unsupported<B: ?Sized>() -> Error {
+    Error::InvalidConfig(format!(
+        "reentrant locks are not supported by this backend ({}): use RedisBackend, \
+         MemoryBackend or Redlock, or a plain lock",
+        std::any::type_name::<B>()
+    ))
 }
 
 /// What a [`Backend::fair_acquire`] attempt is part of.

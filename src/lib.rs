@@ -69,6 +69,13 @@
 //! arrival order, across processes: a release wakes only the head of the queue, a crashed
 //! waiter is evicted after a short deadline, and one that gives up leaves at once.
 //!
+//! # Reentrant locks
+//!
+//! [`Lock::reentrant`] takes an explicit [`Owner`] (a task is not a thread, so a thread id
+//! cannot be the owner): holds of the same owner nest, the store counts them per hold (a
+//! re-sent command never counts twice), and the lease goes when the last hold is released.
+//! Plain and reentrant acquirers of one name exclude each other. See [`ReentrantLock`].
+//!
 //! # Drop and cancellation
 //!
 //! Dropping a [`LockGuard`] schedules its release on the runtime it was acquired on and
@@ -109,6 +116,7 @@ mod guard;
 mod inspect;
 mod lock;
 mod options;
+mod reentrant;
 mod runtime;
 mod stampede;
 mod telemetry;
@@ -119,7 +127,8 @@ pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::redlock::{Redlock, RedlockOptions};
 pub use backend::{
-    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, Released, Subscription, Waiting,
+    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Released,
+    Subscription, Waiting,
 };
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`], re-exported for backend authors.
@@ -131,6 +140,7 @@ pub use lock::{Lock, LockManager};
 pub use options::{
     host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL,
 };
+pub use reentrant::{Owner, ReentrantGuard, ReentrantLock, ReentrantLost};
 pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
 pub use token::{LeaseKey, Token};
 pub use watchdog::WatchdogStats;

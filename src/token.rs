@@ -56,6 +56,39 @@ impl Token {
     pub fn label(&self) -> Option<&str> {
         self.label.as_deref()
     }
+
+    /// A fresh token for one hold of a reentrant lock (see
+    /// [`Backend::reentrant_acquire`](crate::Backend::reentrant_acquire)): 128 bits from the
+    /// CSPRNG, as `h` and 32 hex digits. The hold that starts a reign is also the lease's
+    /// token, so a store can tell a reentrant lease from a plain one by its token when it
+    /// extends it (a reentrant lease has more keys to keep alive).
+    ///
+    /// ```
+    /// let hold = redlease::Token::hold();
+    /// assert!(hold.is_hold());
+    /// assert!(!redlease::Token::random().is_hold());
+    /// assert_eq!(hold.as_str().len(), 33);
+    /// ```
+    pub fn hold() -> Self {
+        let bits: u128 = rand::random();
+        Token {
+            secret: format!("h{bits:032x}").into(),
+            label: None,
+        }
+    }
+
+    /// A token as read back from the store (a reign's lease token).
+    pub(crate) fn from_store(s: &str) -> Self {
+        Token {
+            secret: s.into(),
+            label: None,
+        }
+    }
+
+    /// Whether this token was made by [`hold`](Self::hold) (hex digits never include `h`).
+    pub fn is_hold(&self) -> bool {
+        self.secret.starts_with('h')
+    }
 }
 
 impl PartialEq for Token {
@@ -105,7 +138,7 @@ struct Names {
 }
 
 /// The derived names made with every key, in order: see [`Part`].
-const PARTS: [&str; 8] = [
+const PARTS: [&str; 9] = [
     "fence",
     "waiters",
     "abandoned",
@@ -114,6 +147,7 @@ const PARTS: [&str; 8] = [
     "timeouts",
     "handoff",
     "owners",
+    "holds",
 ];
 
 /// A derived name of a lock (the Redis layout's keys and channel beside the lease).
@@ -129,8 +163,11 @@ pub(crate) enum Part {
     Timeouts = 5,
     /// Fair locks: the channel a release publishes the new queue head's token on.
     Handoff = 6,
-    /// Reentrant locks: the hash {owner: hold count}; read by inspection.
+    /// Reentrant locks: the hash {owner: hold count} of the reign holding the lease.
     Owners = 7,
+    /// Reentrant locks: the reign's live holds {hold token: 1}, plus its `owner`, `token`
+    /// (the lease token) and `fence`.
+    Holds = 8,
 }
 
 /// A name beside a cached key's compute lease (see the stampede module). Made when used, not
@@ -243,6 +280,7 @@ mod tests {
             (Part::Timeouts, "timeouts"),
             (Part::Handoff, "handoff"),
             (Part::Owners, "owners"),
+            (Part::Holds, "holds"),
         ] {
             assert_eq!(k.part(part), k.derived(suffix));
         }

@@ -7,10 +7,16 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 
-use crate::backend::{Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting};
+use crate::backend::{
+    Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Subscription, Waiting,
+};
 use crate::error::Result;
 use crate::inspect::LockInfo;
+use crate::reentrant::Owner;
 use crate::token::{LeaseKey, Token};
+
+/// How long an abandoned reentrant hold stays barred (as the Redis backend's tombstones).
+const BARRED: Duration = Duration::from_secs(300);
 
 /// Leases held in this process: for tests, and for single-process apps that want the same
 /// API (guards, watchdog, fencing tokens, waiting) without a server.
@@ -43,7 +49,25 @@ struct State {
     queues: HashMap<LeaseKey, Queue>,
     /// Fair locks: each waiter's hand-off wake-up (tokens are unique, so one map).
     targets: HashMap<Token, Weak<Event>>,
+    /// Reentrant locks: the reign of each key, valid while the lease holds its token.
+    reigns: HashMap<LeaseKey, Reign>,
+    /// Reentrant locks: the hold whose release ended each key's last reign (a replayed
+    /// release of it answers 0 again).
+    ended: HashMap<LeaseKey, Token>,
+    /// Reentrant locks: abandoned holds, never counted until the instant given.
+    barred: HashMap<Token, Instant>,
     ops: u64,
+}
+
+/// The reign of one owner over a reentrant lock.
+#[derive(Debug)]
+struct Reign {
+    owner: Owner,
+    /// The lease token (the hold that started the reign).
+    token: Token,
+    fence: u64,
+    /// The live holds; the count is their number.
+    holds: std::collections::HashSet<Token>,
 }
 
 /// The fair queue of one key.
@@ -85,7 +109,20 @@ impl State {
                 q.evict(now);
                 !q.order.is_empty()
             });
+            self.barred.retain(|_, until| *until > now);
+            let leases = &self.leases;
+            self.reigns.retain(|k, r| {
+                leases
+                    .get(k)
+                    .is_some_and(|(t, exp)| *t == r.token && *exp > now)
+            });
         }
+    }
+
+    /// The reign holding `key` now, if the lease is a live reentrant one.
+    fn reign(&mut self, key: &LeaseKey, now: Instant) -> Option<&mut Reign> {
+        let token = self.holder(key, now).map(|(t, _)| t.clone())?;
+        self.reigns.get_mut(key).filter(|r| r.token == token)
     }
 
     fn holder(&self, key: &LeaseKey, now: Instant) -> Option<&(Token, Instant)> {
@@ -365,6 +402,108 @@ impl Backend for MemoryBackend {
             .targets
             .insert(token.clone(), Arc::downgrade(&event));
         Ok(Subscription::new(event))
+    }
+
+    /// As on Redis; the uptime condition always holds (see `try_acquire_node`).
+    async fn reentrant_acquire(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+    ) -> Result<ReentrantAcquire> {
+        let now = Instant::now();
+        let mut st = self.state();
+        st.sweep(now);
+        let remaining = |st: &State| st.holder(key, now).map(|(_, exp)| *exp - now);
+        if st.barred.get(hold).is_some_and(|until| *until > now) {
+            return Ok(ReentrantAcquire::Held {
+                remaining: remaining(&st),
+            });
+        }
+        if let Some(reign) = st.reign(key, now).filter(|r| r.owner == *owner) {
+            reign.holds.insert(hold.clone());
+            let (lease, fence) = (reign.token.clone(), reign.fence);
+            let count = u32::try_from(reign.holds.len()).unwrap_or(u32::MAX);
+            if let Some((_, exp)) = st.leases.get_mut(key) {
+                // Never shortened by a re-entry with a shorter TTL.
+                *exp = (*exp).max(now.checked_add(ttl).unwrap_or(*exp));
+            }
+            return Ok(ReentrantAcquire::Acquired {
+                lease,
+                fencing_token: fence,
+                validity: ttl,
+                count,
+            });
+        }
+        if st.holder(key, now).is_some() {
+            return Ok(ReentrantAcquire::Held {
+                remaining: remaining(&st),
+            });
+        }
+        let waiters = st.events.get(key).is_some_and(|e| e.strong_count() > 0);
+        if matches!(waiting, Waiting::Arriving { .. }) && waiters {
+            return Ok(ReentrantAcquire::Held { remaining: None });
+        }
+        let expires = now.checked_add(ttl).unwrap_or(now);
+        st.leases.insert(key.clone(), (hold.clone(), expires));
+        let fence = st.fences.entry(key.clone()).or_insert(0);
+        *fence = (*fence + 1).max(terms.get_fence_floor());
+        let fence = *fence;
+        st.reigns.insert(
+            key.clone(),
+            Reign {
+                owner: owner.clone(),
+                token: hold.clone(),
+                fence,
+                holds: std::iter::once(hold.clone()).collect(),
+            },
+        );
+        Ok(ReentrantAcquire::Acquired {
+            lease: hold.clone(),
+            fencing_token: fence,
+            validity: ttl,
+            count: 1,
+        })
+    }
+
+    async fn reentrant_release(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        lease: Option<&Token>,
+    ) -> Result<Option<u32>> {
+        let now = Instant::now();
+        let mut st = self.state();
+        if lease.is_none() {
+            st.barred
+                .insert(hold.clone(), now.checked_add(BARRED).unwrap_or(now));
+        }
+        if let Some(reign) = st.reign(key, now).filter(|r| r.owner == *owner) {
+            if reign.holds.remove(hold) {
+                if reign.holds.is_empty() {
+                    st.reigns.remove(key);
+                    st.leases.remove(key);
+                    st.ended.insert(key.clone(), hold.clone());
+                    st.wake(key);
+                    st.wake_head(key, now);
+                    return Ok(Some(0));
+                }
+                return Ok(Some(u32::try_from(reign.holds.len()).unwrap_or(u32::MAX)));
+            }
+            if lease == Some(&reign.token) {
+                // Counted in this reign and gone already: a repeated release.
+                return Ok(Some(u32::try_from(reign.holds.len()).unwrap_or(u32::MAX)));
+            }
+            return Ok(None);
+        }
+        if st.holder(key, now).is_none() && st.ended.get(key) == Some(hold) {
+            return Ok(Some(0));
+        }
+        Ok(None)
     }
 }
 

@@ -16,10 +16,12 @@ use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
 
 use crate::backend::{
-    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, NotSent, Subscription, Waiting,
+    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, NotSent, ReentrantAcquire,
+    Subscription, Waiting,
 };
 use crate::error::{Error, Result};
 use crate::inspect::LockInfo;
+use crate::reentrant::Owner;
 use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
 
@@ -240,6 +242,9 @@ struct Scripts {
     fence: Script,
     fair_acquire: Script,
     inspect: Script,
+    reentrant_acquire: Script,
+    reentrant_release: Script,
+    reentrant_extend: Script,
 }
 
 impl Scripts {
@@ -251,6 +256,9 @@ impl Scripts {
             self.fence.clone(),
             self.fair_acquire.clone(),
             self.inspect.clone(),
+            self.reentrant_acquire.clone(),
+            self.reentrant_release.clone(),
+            self.reentrant_extend.clone(),
         ])
     }
 }
@@ -379,6 +387,9 @@ impl RedisBackend {
             fence: Script::from_lua(include_str!("redis/fence.lua")),
             fair_acquire: Script::from_lua(include_str!("redis/fair_acquire.lua")),
             inspect: Script::from_lua(include_str!("redis/inspect.lua")),
+            reentrant_acquire: Script::from_lua(include_str!("redis/reentrant_acquire.lua")),
+            reentrant_release: Script::from_lua(include_str!("redis/reentrant_release.lua")),
+            reentrant_extend: Script::from_lua(include_str!("redis/reentrant_extend.lua")),
         };
         // Every connection (the first, and each after a reconnect: a restarted server has
         // no scripts) loads the scripts, so that calls are one EVALSHA, not a NOSCRIPT round
@@ -805,6 +816,9 @@ impl Backend for RedisBackend {
         terms: NodeTerms,
     ) -> Result<Vec<Option<Duration>>> {
         self.check_connected(terms)?;
+        if leases.iter().any(|l| l.token.is_hold()) {
+            return self.extend_mixed(leases, terms).await;
+        }
         let min_uptime = ms(terms.get_min_uptime());
         let calls = self.chunks(leases).into_iter().map(|idx| async move {
             let keys: Vec<Key> = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
@@ -897,6 +911,185 @@ impl Backend for RedisBackend {
             .pubsub
             .subscribe(channel, false, Some(token.as_str().to_owned()))
             .await
+    }
+
+    /// One `reentrant_acquire.lua` call (not group-committed: reentrant attempts are rare
+    /// next to plain ones, and each is one EVALSHA).
+    async fn reentrant_acquire(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+    ) -> Result<ReentrantAcquire> {
+        check_hold(hold)?;
+        self.check_connected(terms)?;
+        let keys = vec![
+            Key::from(key.as_str()),
+            key.part(Part::Fence).into(),
+            key.part(Part::Owners).into(),
+            key.part(Part::Holds).into(),
+            key.part(Part::Waiters).into(),
+            key.part(Part::Abandoned).into(),
+        ];
+        // As for plain attempts: the waiters flag outlives the next re-check.
+        let flag = waiting
+            .recheck()
+            .map_or(0, |w| ms(w).saturating_mul(2).saturating_add(100));
+        let arriving = i64::from(matches!(waiting, Waiting::Arriving { .. }));
+        let args: Vec<Value> = vec![
+            owner.as_str().into(),
+            hold.as_str().into(),
+            ms(ttl).into(),
+            flag.into(),
+            arriving.into(),
+            terms.get_fence_floor().to_string().into(),
+            ms(terms.get_min_uptime()).into(),
+        ];
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.reentrant_acquire, keys, args)
+            .await?;
+        let int = |v: Option<&Value>| v.and_then(Value::as_i64);
+        let remaining = |ms: i64| u64::try_from(ms).ok().map(Duration::from_millis);
+        match (int(reply.first()), reply.len()) {
+            (Some(1), 4) => {
+                let lease = reply[2]
+                    .as_string()
+                    .filter(|t| t.starts_with('h'))
+                    .ok_or_else(|| Error::backend("reentrant acquire returned no lease token"))?;
+                Ok(ReentrantAcquire::Acquired {
+                    lease: Token::from_store(&lease),
+                    fencing_token: int(reply.get(1))
+                        .and_then(|f| u64::try_from(f).ok())
+                        .unwrap_or(0),
+                    validity: ttl.saturating_sub(clock_drift(ttl)),
+                    count: int(reply.get(3))
+                        .and_then(|c| u32::try_from(c).ok())
+                        .unwrap_or(0),
+                })
+            }
+            (Some(0), 2) => Ok(ReentrantAcquire::Held {
+                remaining: int(reply.get(1)).and_then(remaining),
+            }),
+            (Some(2), 2) => Ok(ReentrantAcquire::Warming {
+                remaining: int(reply.get(1)).and_then(remaining).unwrap_or_default(),
+            }),
+            _ => Err(Error::backend(format!(
+                "unexpected reply from the reentrant acquire script: {reply:?}"
+            ))),
+        }
+    }
+
+    async fn reentrant_release(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        lease: Option<&Token>,
+    ) -> Result<Option<u32>> {
+        check_hold(hold)?;
+        let keys = vec![
+            Key::from(key.as_str()),
+            key.part(Part::Fence).into(),
+            key.part(Part::Owners).into(),
+            key.part(Part::Holds).into(),
+            key.part(Part::Waiters).into(),
+            key.part(Part::Abandoned).into(),
+            key.part(Part::Queue).into(),
+            key.part(Part::Timeouts).into(),
+        ];
+        let tombstone = if lease.is_some() { 0 } else { ms(TOMBSTONE) };
+        let args: Vec<Value> = vec![
+            owner.as_str().into(),
+            hold.as_str().into(),
+            lease.map_or("", Token::as_str).into(),
+            tombstone.into(),
+            key.part(Part::Released).into(),
+            key.part(Part::Handoff).into(),
+        ];
+        let reply: Vec<i64> = self
+            .eval(&self.inner.scripts.reentrant_release, keys, args)
+            .await?;
+        match reply.as_slice() {
+            [1, left] => Ok(Some(u32::try_from(*left).unwrap_or(0))),
+            [0, _] => Ok(None),
+            other => Err(Error::backend(format!(
+                "unexpected reply from the reentrant release script: {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Reentrant holds must be [`Token::hold`]s: the lease token of a reign is its first hold,
+/// and the extension of a lease is routed by it.
+fn check_hold(hold: &Token) -> Result<()> {
+    if hold.is_hold() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "a reentrant hold must be made by Token::hold (its lease is extended with the reign)",
+        ))
+    }
+}
+
+impl RedisBackend {
+    /// `extend_node` for a batch holding reentrant leases (their tokens are holds): plain
+    /// leases go through `extend.lua`, reentrant ones through `reentrant_extend.lua`, which
+    /// keeps the reign's owners and holds hashes alive with the lease.
+    async fn extend_mixed(
+        &self,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
+        let (holds, plain): (Vec<usize>, Vec<usize>) =
+            (0..leases.len()).partition(|&i| leases[i].token.is_hold());
+        let plain_leases: Vec<Lease<'_>> = plain.iter().map(|&i| leases[i]).collect();
+        let plain_out = if plain_leases.is_empty() {
+            Vec::new()
+        } else {
+            self.extend_node(&plain_leases, terms).await?
+        };
+        let min_uptime = ms(terms.get_min_uptime());
+        let reentrant: Vec<Lease<'_>> = holds.iter().map(|&i| leases[i]).collect();
+        let calls = self.chunks(&reentrant).into_iter().map(|idx| {
+            let reentrant = &reentrant;
+            async move {
+                let mut keys: Vec<Key> = Vec::with_capacity(idx.len() * 3);
+                let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
+                args.push(min_uptime.into());
+                for &i in &idx {
+                    let l = &reentrant[i];
+                    keys.extend([
+                        Key::from(l.key.as_str()),
+                        l.key.part(Part::Owners).into(),
+                        l.key.part(Part::Holds).into(),
+                    ]);
+                    args.push(l.token.as_str().into());
+                    args.push(ms(l.ttl).into());
+                }
+                let reply: Vec<i64> = self
+                    .eval(&self.inner.scripts.reentrant_extend, keys, args)
+                    .await?;
+                if reply.len() != idx.len() {
+                    return Err(Error::backend("extend script returned the wrong count"));
+                }
+                Ok::<_, Error>((idx, reply))
+            }
+        });
+        let mut out = vec![None; leases.len()];
+        for (&i, v) in plain.iter().zip(plain_out) {
+            out[i] = v;
+        }
+        for chunk in futures::future::join_all(calls).await {
+            let (idx, reply) = chunk?;
+            for (j, ok) in idx.into_iter().zip(reply) {
+                let ttl = reentrant[j].ttl;
+                out[holds[j]] = (ok == 1).then(|| ttl.saturating_sub(clock_drift(ttl)));
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -20,11 +20,13 @@ use futures::stream::{FuturesUnordered, StreamExt};
 
 use crate::backend::redis::{RedisBackend, RedisOptions};
 use crate::backend::{
-    not_sent, Acquire, Backend, FairAttempt, Lease, NodeTerms, Subscription, Waiting,
+    not_sent, Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Subscription,
+    Waiting,
 };
 use crate::error::{Error, Result};
 use crate::inspect::LockInfo;
 use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
+use crate::reentrant::Owner;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
@@ -851,6 +853,292 @@ impl Backend for Redlock {
              or use a single RedisBackend",
         ))
     }
+
+    /// Per-node counters, majority as for plain locks: every node counts the hold in its
+    /// own reign, a majority must agree on one reign (its lease token) within the validity,
+    /// and the fencing token is the majority's largest, written back. `terms` is ignored:
+    /// the Redlock's own (restart guard, fail-fast, a common fence floor) go to the nodes.
+    async fn reentrant_acquire(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        _terms: NodeTerms,
+    ) -> Result<ReentrantAcquire> {
+        let call_start = Instant::now();
+        let terms = self.terms(ttl)?;
+        let mut best = 0;
+        let mut split = None;
+        for attempt in 0..=self.options.retries {
+            if attempt > 0 {
+                let delay = self
+                    .options
+                    .retry_delay
+                    .mul_f64(rand::random_range(0.0..=1.0));
+                runtime::sleep(delay).await;
+            }
+            let round = self
+                .reentrant_round(key, owner, hold, ttl, waiting, terms, call_start)
+                .await;
+            match round {
+                ReentrantRound::Acquired(acquired) => return Ok(acquired),
+                ReentrantRound::Held(remaining) => return Ok(ReentrantAcquire::Held { remaining }),
+                ReentrantRound::Split(remaining) => split = Some(remaining),
+                ReentrantRound::Unavailable {
+                    warming: Some(remaining),
+                    ..
+                } if waiting.recheck().is_some() => {
+                    return Ok(ReentrantAcquire::Warming { remaining });
+                }
+                ReentrantRound::Unavailable { granted, .. } => {
+                    split = None;
+                    best = best.max(granted);
+                }
+            }
+        }
+        match split {
+            Some(remaining) => Ok(ReentrantAcquire::Held { remaining }),
+            None => Err(Error::QuorumNotReached {
+                acquired: best,
+                required: self.quorum(),
+            }),
+        }
+    }
+
+    /// On every node; the count left is the largest among the nodes that answered. `None` when more
+    /// nodes than a majority can spare do not count the hold.
+    async fn reentrant_release(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        lease: Option<&Token>,
+    ) -> Result<Option<u32>> {
+        let (n, q) = (self.nodes.len(), self.quorum());
+        let counted = |r: &Replies<Option<u32>>| {
+            let yes = r.iter().filter(|x| matches!(x, Some(Ok(Some(_))))).count();
+            let no = r.iter().filter(|x| matches!(x, Some(Ok(None)))).count();
+            (yes, no)
+        };
+        let replies = self
+            .fan_out(
+                0..n,
+                self.options.node_timeout,
+                |node| node.reentrant_release(key, owner, hold, lease),
+                |r| {
+                    let (yes, no) = counted(r);
+                    yes >= q || no > n - q
+                },
+            )
+            .await;
+        let (yes, no) = counted(&replies);
+        if yes >= q {
+            let left = replies.iter().filter_map(|x| match x {
+                Some(Ok(Some(left))) => Some(*left),
+                _ => None,
+            });
+            Ok(Some(reported_count(left)))
+        } else if no > n - q {
+            Ok(None)
+        } else {
+            Err(Error::QuorumNotReached {
+                acquired: yes,
+                required: q,
+            })
+        }
+    }
+}
+
+/// What one reentrant acquire round came to (see [`Round`]).
+enum ReentrantRound {
+    Acquired(ReentrantAcquire),
+    Held(Option<Duration>),
+    Split(Option<Duration>),
+    Unavailable {
+        granted: usize,
+        warming: Option<Duration>,
+    },
+}
+
+/// One node's grant in a reentrant round: (node, fencing token, count).
+type Grant = (usize, u64, u32);
+
+/// The answers of one reentrant acquire round, counted. Nodes may grant under different
+/// lease tokens (a node where the owner's reign had expired starts a new one): only nodes
+/// that agree on one reign make a majority.
+#[derive(Default)]
+struct ReentrantVotes {
+    /// The most nodes granting under one lease token.
+    agreeing: usize,
+    granted: usize,
+    held: usize,
+    warming: usize,
+    failed: usize,
+}
+
+impl ReentrantVotes {
+    fn of(replies: &Replies<ReentrantAcquire>) -> Self {
+        let mut v = ReentrantVotes::default();
+        let mut leases: Vec<(&Token, usize)> = Vec::new();
+        for reply in replies.iter().flatten() {
+            match reply {
+                Ok(ReentrantAcquire::Acquired { lease, .. }) => {
+                    v.granted += 1;
+                    match leases.iter_mut().find(|(t, _)| *t == lease) {
+                        Some((_, n)) => *n += 1,
+                        None => leases.push((lease, 1)),
+                    }
+                }
+                Ok(ReentrantAcquire::Held { .. }) => v.held += 1,
+                Ok(ReentrantAcquire::Warming { .. }) => v.warming += 1,
+                Err(_) => v.failed += 1,
+            }
+        }
+        v.agreeing = leases.iter().map(|(_, n)| *n).max().unwrap_or(0);
+        v
+    }
+
+    fn refused(&self) -> usize {
+        self.held + self.warming + self.failed
+    }
+}
+
+impl Redlock {
+    /// One round of a reentrant acquire: as [`round`](Self::round), with per-node counters.
+    /// A majority must agree on one reign (lease token); the hold is taken back from every
+    /// node outside it that may have counted it.
+    #[allow(clippy::too_many_arguments)]
+    async fn reentrant_round(
+        &self,
+        key: &LeaseKey,
+        owner: &Owner,
+        hold: &Token,
+        ttl: Duration,
+        waiting: Waiting,
+        terms: NodeTerms,
+        call_start: Instant,
+    ) -> ReentrantRound {
+        let started = Instant::now();
+        let (n, q) = (self.nodes.len(), self.quorum());
+        let mut validity = self.validity(ttl);
+        let timeout = self.options.node_timeout.min(validity / 2);
+        let terms = terms.fence_floor(fence_floor());
+        let replies = self
+            .fan_out(
+                0..n,
+                timeout,
+                |node| node.reentrant_acquire(key, owner, hold, ttl, waiting, terms),
+                |r| {
+                    let v = ReentrantVotes::of(r);
+                    v.agreeing >= q || v.refused() > n - q
+                },
+            )
+            .await;
+        let cut_short = started.elapsed() < timeout;
+        let votes = ReentrantVotes::of(&replies);
+
+        // Granting nodes by lease token.
+        let mut reigns: Vec<(Token, Vec<Grant>)> = Vec::new();
+        let mut held: Option<Duration> = None;
+        let mut warming: Option<Duration> = None;
+        let mut answering = Vec::new();
+        let mut unknown = Vec::new();
+        for (i, reply) in replies.iter().enumerate() {
+            match reply {
+                Some(Ok(ReentrantAcquire::Acquired {
+                    lease,
+                    fencing_token,
+                    validity: v,
+                    count,
+                })) => {
+                    validity = validity.min(*v);
+                    match reigns.iter_mut().find(|(t, _)| t == lease) {
+                        Some((_, nodes)) => nodes.push((i, *fencing_token, *count)),
+                        None => reigns.push((lease.clone(), vec![(i, *fencing_token, *count)])),
+                    }
+                }
+                Some(Ok(ReentrantAcquire::Held { remaining })) => {
+                    held = match (held, *remaining) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                }
+                Some(Ok(ReentrantAcquire::Warming { remaining })) => {
+                    warming = Some(warming.map_or(*remaining, |w| w.min(*remaining)));
+                }
+                Some(Err(e)) if not_sent(e) => {}
+                None if cut_short => answering.push(i),
+                Some(Err(_)) | None => unknown.push(i),
+            }
+        }
+        reigns.sort_by_key(|(_, nodes)| std::cmp::Reverse(nodes.len()));
+
+        let mut outcome = None;
+        if let Some((lease, nodes)) = reigns.first() {
+            if nodes.len() >= q && started.elapsed() < validity {
+                let fence = nodes.iter().map(|&(_, f, _)| f).max().unwrap_or(0);
+                let granted: Vec<(usize, u64)> = nodes.iter().map(|&(i, f, _)| (i, f)).collect();
+                let confirmed = self
+                    .write_back(key, fence, &granted, started + validity)
+                    .await;
+                if confirmed >= q && started.elapsed() < validity {
+                    outcome = Some(ReentrantAcquire::Acquired {
+                        lease: lease.clone(),
+                        fencing_token: fence,
+                        validity: validity + started.saturating_duration_since(call_start),
+                        count: reported_count(nodes.iter().map(|&(_, _, c)| c)),
+                    });
+                }
+            }
+        }
+        // Take the hold back where it must not stay: everywhere if the round failed, or on
+        // the nodes that counted it in another reign if it succeeded. Sent before any next
+        // round with this hold, so it runs before it on every node.
+        let keep = if outcome.is_some() { 1 } else { 0 };
+        let mut undo: Vec<usize> = reigns
+            .iter()
+            .skip(keep)
+            .flat_map(|(_, nodes)| nodes.iter().map(|&(i, _, _)| i))
+            .collect();
+        if outcome.is_none() {
+            undo.extend(answering);
+        }
+        let waited: Vec<usize> = undo.clone();
+        if outcome.is_none() {
+            undo.extend(unknown);
+        }
+        if !undo.is_empty() {
+            self.fan_out(
+                undo,
+                self.options.node_timeout,
+                |node| node.reentrant_release(key, owner, hold, Some(hold)),
+                |r| waited.iter().all(|&i| r[i].is_some()),
+            )
+            .await;
+        }
+        if let Some(acquired) = outcome {
+            return ReentrantRound::Acquired(acquired);
+        }
+        if votes.held > 0 && votes.granted > 0 {
+            ReentrantRound::Split(held)
+        } else if votes.held > 0 {
+            ReentrantRound::Held(held)
+        } else {
+            ReentrantRound::Unavailable {
+                granted: votes.agreeing,
+                warming: warming.filter(|_| votes.granted + votes.warming >= q),
+            }
+        }
+    }
+}
+
+/// The count to report from per-node counters: the largest. A node counts less than the
+/// others only when it missed holds (it was down or slow then), never more for long (a hold
+/// counted outside the majority's reign is taken back at once).
+fn reported_count(counts: impl Iterator<Item = u32>) -> u32 {
+    counts.max().unwrap_or(0)
 }
 
 /// What a majority (`q`) of the nodes' inspection answers agree on; see `Redlock::inspect`.

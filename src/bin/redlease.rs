@@ -229,7 +229,8 @@ async fn inspect(cli: &Cli, name: &str) -> Result<u8, Fail> {
 }
 
 /// Deletes the lease whoever holds it, wakes its waiters (plain and the fair queue's head)
-/// and deletes a reentrant owners hash; the fence hash stays, so tokens keep increasing.
+/// and deletes a reentrant reign's owners and holds hashes; the fence hash stays, so tokens
+/// keep increasing.
 const FORCE_RELEASE: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
@@ -237,6 +238,7 @@ end
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], 'h')
 local owners = redis.call('DEL', KEYS[3])
+redis.call('DEL', KEYS[5])
 redis.call('PUBLISH', ARGV[1], '1')
 local head = redis.call('LINDEX', KEYS[4], 0)
 if head then
@@ -263,6 +265,7 @@ async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
         key.derived("fence"),
         key.derived("owners"),
         key.derived("queue"),
+        key.derived("holds"),
     ];
     let args = vec![key.derived("released"), key.derived("handoff")];
     let deleted: i64 = backend
@@ -291,7 +294,11 @@ async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
     }
     println!("{what}");
     if deleted > 1 {
-        println!("deleted {}", key.derived("owners"));
+        println!(
+            "deleted {} and {}",
+            key.derived("owners"),
+            key.derived("holds")
+        );
     }
     Ok(0)
 }

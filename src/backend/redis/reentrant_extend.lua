@@ -1,0 +1,27 @@
+-- Extend reentrant leases: each reign's three keys (lease, owners, holds) get the same TTL,
+-- only where the lease still holds that reign's token. The TTL is never shortened (other
+-- holders of the reign may use a longer one).
+-- ARGV[1] minimum uptime (ms; 0 for none; see extend.lua)
+-- KEYS[3i-2..3i] lease key, owners hash, holds hash   ARGV[2i] lease token   ARGV[2i+1] ttl
+-- Returns one 1 (extended) or 0 (not this reign's any more, or not counted) per lease.
+local min_uptime = tonumber(ARGV[1])
+local counted = true
+if min_uptime > 0 then
+  local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
+  counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
+end
+local out = {}
+for i = 1, #KEYS / 3 do
+  local lease, owners, holds = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local token = ARGV[2 * i]
+  if counted and redis.call('GET', lease) == token and redis.call('HGET', holds, 'token') == token then
+    local keep = math.max(redis.call('PTTL', lease), tonumber(ARGV[2 * i + 1]))
+    redis.call('PEXPIRE', lease, keep)
+    redis.call('PEXPIRE', owners, keep)
+    redis.call('PEXPIRE', holds, keep)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
