@@ -60,6 +60,7 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
     let notify = wait.is_some() && opts.retry.notify;
     let mut sub: Option<Subscription> = None;
     let mut backoff = opts.retry.min_delay;
+    let mut first = true;
     loop {
         let woken = sub.as_ref().map(Subscription::listen);
         let started = Instant::now();
@@ -68,7 +69,13 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
         // abandons it in the background, which also leaves the queue.
         pending.armed = true;
         let tried = backend.fair_acquire(key, &pending.token, opts.ttl, attempt);
-        let outcome = match runtime::until(deadline, tried).await.ok_or_else(timeout)? {
+        // The first attempt always gets its answer (see `Lock::run`).
+        let limit = if std::mem::take(&mut first) {
+            None
+        } else {
+            deadline
+        };
+        let outcome = match runtime::until(limit, tried).await.ok_or_else(timeout)? {
             Ok(outcome) => outcome,
             Err(e @ Error::InvalidConfig(_)) => {
                 // Refused up front (a backend without fair locks): nothing to clean up.

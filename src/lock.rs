@@ -203,7 +203,19 @@ impl Lock {
             .ok_or(Error::NotHeld)
     }
 
-    /// Waits at most `timeout` (overrides the options' `wait_timeout`).
+    /// Waits at most `timeout` (overrides the options' `wait_timeout`). The first attempt
+    /// always gets its answer (bounded by the store's own timeouts), so a zero timeout takes
+    /// a free lock, like `flock -w 0`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # futures::executor::block_on(async {
+    /// let locks = redlease::LockManager::new(redlease::MemoryBackend::new());
+    /// let g = locks.lock("free").acquire_timeout(Duration::ZERO).await?;
+    /// let busy = locks.lock("free").acquire_timeout(Duration::ZERO).await;
+    /// assert!(matches!(busy, Err(redlease::Error::Timeout { .. })));
+    /// # drop(g); Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
     ///
     /// # Errors
     ///
@@ -338,9 +350,10 @@ impl Lock {
             let attempt = pending
                 .backend
                 .try_acquire(&self.key, &pending.token, opts.ttl, waiting);
-            let outcome = runtime::until(deadline, attempt)
-                .await
-                .ok_or_else(timeout)??;
+            // The first attempt always gets its answer (bounded by the store's own
+            // timeouts), so that a zero or tiny wait still takes a free lock.
+            let limit = if arriving { None } else { deadline };
+            let outcome = runtime::until(limit, attempt).await.ok_or_else(timeout)??;
             let remaining = match outcome {
                 Acquire::Acquired {
                     fencing_token,

@@ -200,8 +200,9 @@ impl LockOptions {
     /// legitimate hold, and watch [`lost`](crate::LockGuard::lost) in the critical section.
     ///
     /// Defaults to `None` (no cap). Must be at least the ttl (a lease lives one ttl anyway)
-    /// and at most [`MAX_TTL`]. Explicit [`LockGuard::extend`](crate::LockGuard::extend)
-    /// calls are not capped: they are the holder's own decision.
+    /// and at most [`MAX_TTL`]. The cap covers explicit
+    /// [`LockGuard::extend`](crate::LockGuard::extend) calls too: the watchdog's next round
+    /// brings a longer expiry back to the cap.
     ///
     /// ```
     /// use std::time::Duration;

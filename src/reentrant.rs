@@ -213,6 +213,17 @@ impl ReentrantLock {
                  the queue; turn `fair` off for this lock",
             ));
         }
+        if self.lock.options.max_hold.is_some() {
+            return Err(Error::invalid(
+                "max_hold is not supported on reentrant locks yet: turn it off for this lock",
+            ));
+        }
+        if self.lock.options.holder_label.is_some() {
+            return Err(Error::invalid(
+                "holder labels are not supported on reentrant locks yet: turn holder_label \
+                 off for this lock",
+            ));
+        }
         self.lock.options.validate()
     }
 
@@ -261,10 +272,9 @@ impl ReentrantLock {
                 waiting,
                 NodeTerms::new(),
             );
-            let outcome = match runtime::until(deadline, attempt)
-                .await
-                .ok_or_else(timeout)?
-            {
+            // The first attempt always gets its answer (see `Lock::run`).
+            let limit = if arriving { None } else { deadline };
+            let outcome = match runtime::until(limit, attempt).await.ok_or_else(timeout)? {
                 Ok(outcome) => outcome,
                 Err(e @ Error::InvalidConfig(_)) => {
                     // Refused up front (a backend without reentrant locks): nothing to undo.
@@ -410,7 +420,9 @@ fn join_reign(lock: &Lock, lease: &Token, sent: Instant, validity: Duration) -> 
     // Kept until the map is unlocked: dropping the last handle of a reign locks the map.
     let existing = reigns().get(&id).and_then(Weak::upgrade);
     if let Some(r) = &existing {
-        if r.state.confirm(sent, validity) {
+        // A re-entry only ever moves the reign's deadline later (the store never shortens
+        // the lease: a re-entry with a shorter TTL keeps the longer one).
+        if r.state.confirm_later(sent + validity) {
             return r.clone();
         }
         // Lost here already (a passed deadline, say) though the store still had it: the

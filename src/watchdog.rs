@@ -69,6 +69,20 @@ impl LeaseState {
         true
     }
 
+    /// Moves the deadline to `deadline` if that is later; `false` if the lease is lost.
+    pub(crate) fn confirm_later(&self, deadline: Instant) -> bool {
+        let _order = self
+            .confirmed_sent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.check_lost() {
+            return false;
+        }
+        self.deadline
+            .fetch_max(to_nanos(deadline), Ordering::AcqRel);
+        true
+    }
+
     pub(crate) fn mark_lost(&self) {
         if !self.lost.swap(true, Ordering::AcqRel) {
             self.event.notify(usize::MAX);

@@ -370,3 +370,68 @@ fn bad_input_and_unreachable_servers_get_clear_messages() {
         "{help}"
     );
 }
+
+/// `--wait 0` is one attempt (like `flock -w 0`): it takes a free lock, and gives the timeout
+/// code on a held one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_zero_takes_a_free_lock_and_times_out_on_a_held_one() {
+    let srv = RedisServer::start();
+    let cmd = redlease(
+        &srv,
+        &["run", "--wait", "0s", "zero", "--", "sh", "-c", "exit 5"],
+    );
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
+
+    let locks = LockManager::new(RedisBackend::connect(&srv.url()).await.unwrap());
+    let held = locks.lock("zero").acquire().await.unwrap();
+    let cmd = redlease(&srv, &["run", "--wait", "0s", "zero", "--", "true"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(EXIT_TIMEOUT), "{}", stderr(&out));
+    held.release().await.unwrap();
+}
+
+/// A lost lease stops everything the command started, not just the command: it runs in a
+/// process group of its own, and the group gets the SIGTERM.
+#[test]
+fn a_lost_lease_also_stops_the_commands_children() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "group");
+    let pidfile = dir.join("grandchild");
+    let script = format!("sleep 300 & echo $! > {p}; wait", p = pidfile.display());
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "2s", "family", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    assert!(
+        wait_for(SOON, || !read(&pidfile).trim().is_empty()),
+        "the grandchild started"
+    );
+    let pid = read(&pidfile).trim().to_owned();
+    assert_eq!(srv.cmd(&["DEL", "redlease:{family}"]).as_int(), Some(1));
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    // Running, as opposed to gone or a zombie waiting to be reaped (by whoever adopted it).
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+                Some(state != 'Z' && state != 'X')
+            })
+            .unwrap_or(false)
+    };
+    // The group's SIGTERM was sent before the tool exited; the grandchild dies of it.
+    assert!(
+        wait_for(SOON, || !alive()),
+        "the grandchild {pid} outlived the lease"
+    );
+}

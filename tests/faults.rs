@@ -218,19 +218,21 @@ async fn every_lease_is_created_with_its_ttl_in_one_step() {
         "a fresh lease carries its TTL: PTTL {left}"
     );
     assert_eq!(srv.cmd(&["SETNX", key.as_str(), "x"]).as_int(), Some(0));
-    // The fence hash lives an hour past its last write (the clock floor keeps tokens
-    // increasing after it); the waiters flag expires on its own too.
-    let fence = pttl(&srv, &key.derived("fence"));
-    assert!(
-        fence > 3_500_000 && fence <= 3_600_000,
-        "fence PTTL {fence}"
-    );
+    // The fence hash is kept while the lock is held (it carries the holder's label) and
+    // expires an hour after the release (the clock floor keeps tokens increasing after
+    // it); the waiters flag expires on its own too.
+    assert_eq!(pttl(&srv, &key.derived("fence")), -1, "kept while held");
     let blocked = waiter.lock("ttl-at-once").acquire_timeout(ms(150)).await;
     assert!(matches!(blocked, Err(Error::Timeout { .. })), "{blocked:?}");
     let flag = pttl(&srv, &key.derived("waiters"));
     assert!(flag > 0, "the waiters flag expires on its own: PTTL {flag}");
     guard.release().await.expect("release");
     assert!(!exists(&srv, key.as_str()));
+    let fence = pttl(&srv, &key.derived("fence"));
+    assert!(
+        fence > 3_500_000 && fence <= 3_600_000,
+        "an hour after the release: PTTL {fence}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

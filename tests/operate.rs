@@ -312,3 +312,71 @@ async fn fenced_write_refuses_a_paused_holders_late_write() {
         .is_applied());
     assert_eq!(redis_b.fenced_get("absent").await.unwrap(), None);
 }
+
+/// The label leaves the store with the release itself (not just with the next holder), and
+/// the fence hash is kept while held, expiring an hour after the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_label_goes_with_the_release_on_redis() {
+    let srv = RedisServer::start();
+    let locks = LockManager::with_options(
+        redis(&srv).await,
+        labelled(Duration::from_secs(5), "host-b:7"),
+    )
+    .unwrap();
+    let guard = locks.lock("label").acquire().await.unwrap();
+    let fence = "redlease:{label}:fence";
+    assert_eq!(
+        srv.cmd(&["HGET", fence, "h"]).as_str().as_deref(),
+        Some("host-b:7")
+    );
+    assert_eq!(
+        srv.cmd(&["PTTL", fence]).as_int(),
+        Some(-1),
+        "kept while held"
+    );
+    guard.release().await.unwrap();
+    assert_eq!(srv.cmd(&["HGET", fence, "h"]).as_str(), None, "label gone");
+    let left = srv.cmd(&["PTTL", fence]).as_int().unwrap();
+    assert!(left > 3_500_000 && left <= 3_600_000, "fence PTTL {left}");
+}
+
+/// Inspection of a real reentrant reign: the count of holds, and no label (a crashed
+/// labelled plain holder's stale label is cleared when the reign starts).
+async fn inspect_a_reentrant_reign(backend: Arc<dyn Backend>) {
+    let stale = LockManager::shared(
+        backend.clone(),
+        labelled(Duration::from_millis(200), "crashed").watchdog(false),
+    )
+    .unwrap();
+    stale.lock("reign").acquire().await.unwrap().forget();
+    let locks =
+        LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5))).unwrap();
+    let owner = redlease::Owner::random();
+    let lock = locks.lock("reign").reentrant(&owner);
+    let outer = lock.acquire().await.unwrap(); // waits out the stale 200 ms lease
+    let inner = lock.acquire().await.unwrap();
+    let info = locks.lock("reign").inspect().await.unwrap().expect("held");
+    assert!(info.held, "{info:?}");
+    assert_eq!(info.reentrant_count, Some(2), "{info:?}");
+    assert_eq!(info.holder_label, None, "no stale label: {info:?}");
+    inner.release().await.unwrap();
+    outer.release().await.unwrap();
+    let info = locks
+        .lock("reign")
+        .inspect()
+        .await
+        .unwrap()
+        .expect("fence known");
+    assert!(!info.held && info.reentrant_count.is_none(), "{info:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_counts_reentrant_holds_in_memory() {
+    inspect_a_reentrant_reign(Arc::new(MemoryBackend::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_counts_reentrant_holds_on_redis() {
+    let srv = RedisServer::start();
+    inspect_a_reentrant_reign(Arc::new(redis(&srv).await)).await;
+}

@@ -324,6 +324,7 @@ impl Backend for MemoryBackend {
             info.holder_label = token.label().map(str::to_owned);
         }
         info.fencing_token = st.fences.get(key).copied();
+        info.reentrant_count = st.reign(key, now).map(|r| r.holds.len() as u64);
         if let Some(q) = st.queues.get_mut(key) {
             q.evict(now);
             info.queue_len = q.order.len() as u64;

@@ -66,6 +66,7 @@ struct Cli {
     #[arg(
         long,
         env = "REDIS_URL",
+        hide_env_values = true,
         default_value = "redis://127.0.0.1:6379",
         global = true
     )]
@@ -182,7 +183,8 @@ fn main() -> ExitCode {
 /// The URL without its password, for messages.
 fn shown_url(url: &str) -> String {
     match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
+        // The host is after the last `@` (a password may contain one).
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
             Some((_, host)) => format!("{scheme}://***@{host}"),
             None => url.to_owned(),
         },
@@ -365,11 +367,16 @@ async fn supervise(
         .command
         .split_first()
         .ok_or_else(|| Fail(EXIT_USAGE, "no command given".into()))?;
-    let spawned = tokio::process::Command::new(program)
+    let mut command = tokio::process::Command::new(program);
+    command
         .args(rest)
         .env("REDLEASE_NAME", &args.name)
-        .env("REDLEASE_FENCING_TOKEN", guard.fencing_token().to_string())
-        .spawn();
+        .env("REDLEASE_FENCING_TOKEN", guard.fencing_token().to_string());
+    // Its own process group: signals (forwarded, or the lost lease's SIGTERM and SIGKILL)
+    // reach everything the command started, not just the command.
+    #[cfg(unix)]
+    command.process_group(0);
+    let spawned = command.spawn();
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
@@ -423,11 +430,11 @@ async fn supervise(
     Ok(exit_code(status))
 }
 
-/// SIGTERM, then SIGKILL once `grace` has passed.
+/// SIGTERM, then SIGKILL once `grace` has passed (to the command's process group).
 async fn terminate(child: &mut tokio::process::Child, grace: Duration) {
     signals::terminate(child);
     if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        let _ = child.start_kill();
+        signals::kill(child);
         let _ = child.wait().await;
     }
 }
@@ -450,7 +457,7 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
 /// Forwarded signals: SIGINT, SIGTERM and SIGHUP, on unix.
 #[cfg(unix)]
 mod signals {
-    use nix::sys::signal::{kill, Signal};
+    use nix::sys::signal::{killpg, Signal};
     use nix::unistd::Pid;
     use tokio::signal::unix::{signal, SignalKind};
 
@@ -479,11 +486,12 @@ mod signals {
         }
     }
 
+    /// To the command's process group (it leads its own: see `supervise`).
     fn send(child: &tokio::process::Child, sig: Signal) {
         let pid = child.id().and_then(|id| i32::try_from(id).ok());
         if let Some(pid) = pid {
-            // The child may have exited in the meantime: nothing to do then.
-            let _ = kill(Pid::from_raw(pid), sig);
+            // The group may be gone in the meantime: nothing to do then.
+            let _ = killpg(Pid::from_raw(pid), sig);
         }
     }
 
@@ -495,6 +503,11 @@ mod signals {
 
     pub(crate) fn terminate(child: &tokio::process::Child) {
         send(child, Signal::SIGTERM);
+    }
+
+    pub(crate) fn kill(child: &mut tokio::process::Child) {
+        send(child, Signal::SIGKILL);
+        let _ = child.start_kill();
     }
 }
 
@@ -517,6 +530,10 @@ mod signals {
     pub(crate) fn forward(_child: &tokio::process::Child, _sig: u8) {}
 
     pub(crate) fn terminate(child: &mut tokio::process::Child) {
+        let _ = child.start_kill();
+    }
+
+    pub(crate) fn kill(child: &mut tokio::process::Child) {
         let _ = child.start_kill();
     }
 }

@@ -17,13 +17,14 @@
 -- snapshot, still hands out larger tokens) and at least the floor asked for, which is
 -- capped at the server's clock plus 2 s (a client whose clock runs fast cannot push the
 -- counter far ahead of the clocks that floor it after a restart).
--- The fence hash expires an hour after its last write (so a cache or job key used once does
--- not leave it forever); the clock floor keeps tokens increasing after it is gone.
+-- The fence hash has no expiry while the lock is held (it carries the holder's label and the
+-- token a re-sent attempt reads back), and expires an hour after a release (so a cache or job
+-- key used once does not leave it forever); the clock floor keeps tokens increasing after it
+-- is gone.
 -- Uptime comes from INFO at one-second resolution (and Redis derives it from whole
 -- seconds of wall-clock time): one second is taken off, against the server.
 local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local FENCE_TTL = 3600000
 local uptime
 local out = {}
 for i = 0, #KEYS / 4 - 1 do
@@ -57,7 +58,7 @@ for i = 0, #KEYS / 4 - 1 do
     else
       redis.call('HDEL', fence, 'h')
     end
-    redis.call('PEXPIRE', fence, FENCE_TTL)
+    redis.call('PERSIST', fence)
     code = 1
   elseif redis.call('GET', lease) == token then
     -- Ours already: a re-sent attempt (after a reconnect, or sent again).

@@ -55,7 +55,8 @@ for i = 0, #KEYS / 5 - 1 do
       else
         redis.call('HDEL', fence, 'h')
       end
-      redis.call('PEXPIRE', fence, 3600000)
+      -- Kept while held, expires an hour after the release (see acquire.lua).
+      redis.call('PERSIST', fence)
       code = 1
     else
       code = 0

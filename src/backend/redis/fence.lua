@@ -4,7 +4,8 @@
 local last = tonumber(redis.call('HGET', KEYS[1], 'f') or '0')
 local want = tonumber(ARGV[1])
 if want > last then
+  -- Written back to nodes that hold the lease: kept while held, like a grant's (the
+  -- release sets the hour's expiry).
   redis.call('HSET', KEYS[1], 'f', string.format('%.0f', want))
-  redis.call('PEXPIRE', KEYS[1], 3600000)
 end
 return 1

@@ -63,7 +63,10 @@ local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local last = tonumber(redis.call('HGET', fence, 'f') or '0')
 local value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
 redis.call('HSET', fence, 'f', string.format('%.0f', value))
-redis.call('PEXPIRE', fence, 3600000)
+-- Kept while held, expires an hour after the release (see acquire.lua). Reentrant reigns
+-- carry no holder label: clear one a crashed plain holder may have left.
+redis.call('PERSIST', fence)
+redis.call('HDEL', fence, 'h')
 redis.call('DEL', owners, holds)
 redis.call('SET', lease, hold, 'PX', ttl)
 redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', string.format('%.0f', value), hold, '1')

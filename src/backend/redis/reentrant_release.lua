@@ -39,6 +39,7 @@ if current and redis.call('HGET', holds, 'token') == current
     end
     redis.call('DEL', lease, owners, holds)
     redis.call('HSET', fence, 'r', hold)
+    redis.call('HDEL', fence, 'h')
     redis.call('PEXPIRE', fence, 3600000)
     if redis.call('EXISTS', waiters) == 1 then
       redis.call('PUBLISH', channel, '1')
