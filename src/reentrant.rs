@@ -649,7 +649,9 @@ impl ReentrantGuard {
             .backend
             .reentrant_release(&r.key, &r.owner, &r.hold, r.lease.as_ref())
             .await;
-        held.release.armed = false;
+        // On an error the outcome is unknown: the hold stays armed, so dropping it retries
+        // the release in the background (idempotent per hold) instead of leaking the hold.
+        held.release.armed = released.is_err();
         match released {
             Ok(Some(left)) if !was_lost => Ok(left),
             Ok(_) => Err(Error::NotHeld),
