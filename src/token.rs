@@ -115,8 +115,8 @@ impl fmt::Debug for Token {
 ///
 /// Every key of one lock carries the same `{...}` hash tag, so multi-key scripts stay in one
 /// slot on Redis Cluster. The name is escaped (`%` → `%25`, `{` → `%7B`, `}` → `%7D`) so that
-/// any name (braces, unicode, NUL, 10 KB) maps to a distinct key with a non-empty tag. The
-/// derived names the backends use are made once, with the key.
+/// any name (braces, unicode, NUL, 10 KB) maps to a distinct key with a non-empty tag. Cheap
+/// to clone (one shared string); the derived names are made when a call needs them.
 ///
 /// ```
 /// let k = redlease::LeaseKey::new("redlease:", "orders:42");
@@ -128,16 +128,9 @@ impl fmt::Debug for Token {
 /// );
 /// ```
 #[derive(Clone)]
-pub struct LeaseKey(Arc<Names>);
+pub struct LeaseKey(Arc<str>);
 
-/// All names of one lock in one buffer: the key, then each derived name.
-struct Names {
-    all: String,
-    /// End of the key, then of each of [`PARTS`] in order.
-    ends: [usize; 1 + PARTS.len()],
-}
-
-/// The derived names made with every key, in order: see [`Part`].
+/// The derived names' suffixes, in [`Part`] order.
 const PARTS: [&str; 9] = [
     "fence",
     "waiters",
@@ -198,21 +191,12 @@ impl LeaseKey {
             }
         }
         key.push('}');
-        let mut all = String::with_capacity(key.len() * (1 + PARTS.len()) + 64);
-        all.push_str(&key);
-        let mut ends = [all.len(); 1 + PARTS.len()];
-        for (i, part) in PARTS.iter().enumerate() {
-            all.push_str(&key);
-            all.push(':');
-            all.push_str(part);
-            ends[i + 1] = all.len();
-        }
-        LeaseKey(Arc::new(Names { all, ends }))
+        LeaseKey(key.into())
     }
 
     /// The lease key itself.
     pub fn as_str(&self) -> &str {
-        &self.0.all[..self.0.ends[0]]
+        &self.0
     }
 
     /// A key beside the lease that shares its hash tag: `<key>:<suffix>`.
@@ -220,10 +204,11 @@ impl LeaseKey {
         format!("{}:{suffix}", self.as_str())
     }
 
-    /// A derived name made with the key (no allocation).
-    pub(crate) fn part(&self, part: Part) -> &str {
-        let i = part as usize;
-        &self.0.all[self.0.ends[i]..self.0.ends[i + 1]]
+    /// A derived name, made when used: a held lease keeps only its key (the watchdog may
+    /// hold a hundred thousand of them), and the calls that need these names send them
+    /// once.
+    pub(crate) fn part(&self, part: Part) -> String {
+        self.derived(PARTS[part as usize])
     }
 
     /// A cache name beside this key: `<key>:value`, `<key>:filled` or `<key>:failed`.

@@ -880,7 +880,7 @@ impl Backend for RedisBackend {
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
-        let channel = key.part(Part::Released).to_owned();
+        let channel = key.part(Part::Released);
         self.inner.pubsub.subscribe(channel, false, None).await
     }
 
@@ -906,7 +906,7 @@ impl Backend for RedisBackend {
     /// One SUBSCRIBE per key's hand-off channel and process, shared by the local waiters;
     /// a message (the new head's token) wakes only the waiter it names.
     async fn fair_subscribe(&self, key: &LeaseKey, token: &Token) -> Result<Subscription> {
-        let channel = key.part(Part::Handoff).to_owned();
+        let channel = key.part(Part::Handoff);
         self.inner
             .pubsub
             .subscribe(channel, false, Some(token.as_str().to_owned()))
