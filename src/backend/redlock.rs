@@ -252,13 +252,10 @@ impl fmt::Debug for Redlock {
 /// One node's answer, or `None` if it had not answered when the outcome was decided.
 type Replies<T> = Vec<Option<Result<T>>>;
 
-/// What one acquire round came to.
-enum Round {
-    /// `validity` counted from the start of the whole call.
-    Acquired {
-        fencing_token: u64,
-        validity: Duration,
-    },
+/// What one acquire round came to; `A` is the answer of a won round (its validity counted
+/// from the start of the whole call).
+enum Round<A> {
+    Acquired(A),
     /// Another client holds it: no node granted, and a majority can no longer.
     Held(Option<Duration>),
     /// This client and another split the nodes between them: both release and retry.
@@ -496,7 +493,7 @@ impl Redlock {
         waiting: Waiting,
         terms: NodeTerms,
         call_start: Instant,
-    ) -> Round {
+    ) -> Round<Acquire> {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
         let mut validity = self.validity(ttl);
@@ -559,10 +556,10 @@ impl Redlock {
                 .write_back(key, fence, &granted, started + validity)
                 .await;
             if confirmed >= q && started.elapsed() < validity {
-                return Round::Acquired {
+                return Round::Acquired(Acquire::Acquired {
                     fencing_token: fence,
                     validity: validity + started.saturating_duration_since(call_start),
-                };
+                });
             }
         }
 
@@ -589,6 +586,56 @@ impl Redlock {
                 // Only worth waiting for if they would make the majority.
                 warming: warming.filter(|_| votes.granted + votes.warming >= q),
             }
+        }
+    }
+
+    /// Plays rounds until one decides: a won round, or another holder, is the answer; a split
+    /// vote, or too few nodes, is tried again after a random delay, up to `retries` times.
+    /// Then a split is reported as contention (`held`), too few nodes as
+    /// [`Error::QuorumNotReached`]. A waiting acquire that only restarted nodes keep from a
+    /// majority gets `warming`, to wait for them.
+    async fn rounds<A, Fut>(
+        &self,
+        waiting: Waiting,
+        held: impl Fn(Option<Duration>) -> A,
+        warming: impl Fn(Duration) -> A,
+        round: impl Fn() -> Fut,
+    ) -> Result<A>
+    where
+        Fut: Future<Output = Round<A>>,
+    {
+        let mut best = 0;
+        let mut split = None;
+        for attempt in 0..=self.options.retries {
+            if attempt > 0 {
+                let delay = self
+                    .options
+                    .retry_delay
+                    .mul_f64(rand::random_range(0.0..=1.0));
+                runtime::sleep(delay).await;
+            }
+            match round().await {
+                Round::Acquired(acquired) => return Ok(acquired),
+                Round::Held(remaining) => return Ok(held(remaining)),
+                // Both contenders took back their part: try again after a random delay, so
+                // that one of them gets there first.
+                Round::Split(remaining) => split = Some(remaining),
+                Round::Unavailable {
+                    warming: Some(remaining),
+                    ..
+                } if waiting.recheck().is_some() => return Ok(warming(remaining)),
+                Round::Unavailable { granted, .. } => {
+                    split = None;
+                    best = best.max(granted);
+                }
+            }
+        }
+        match split {
+            Some(remaining) => Ok(held(remaining)),
+            None => Err(Error::QuorumNotReached {
+                acquired: best,
+                required: self.quorum(),
+            }),
         }
     }
 
@@ -686,53 +733,13 @@ impl Backend for Redlock {
     ) -> Result<Acquire> {
         let call_start = Instant::now();
         let terms = self.terms(ttl)?;
-        let mut best = 0;
-        let mut split = None;
-        for attempt in 0..=self.options.retries {
-            if attempt > 0 {
-                let delay = self
-                    .options
-                    .retry_delay
-                    .mul_f64(rand::random_range(0.0..=1.0));
-                runtime::sleep(delay).await;
-            }
-            match self
-                .round(key, token, ttl, waiting, terms, call_start)
-                .await
-            {
-                Round::Acquired {
-                    fencing_token,
-                    validity,
-                } => {
-                    return Ok(Acquire::Acquired {
-                        fencing_token,
-                        validity,
-                    })
-                }
-                Round::Held(remaining) => return Ok(Acquire::Held { remaining }),
-                // Both contenders took back their part: try again after a random delay,
-                // so that one of them gets there first.
-                Round::Split(remaining) => split = Some(remaining),
-                Round::Unavailable {
-                    warming: Some(remaining),
-                    ..
-                } if waiting.recheck().is_some() => {
-                    // Restarted nodes will count then: a waiting acquire waits for it.
-                    return Ok(Acquire::Warming { remaining });
-                }
-                Round::Unavailable { granted, .. } => {
-                    split = None;
-                    best = best.max(granted);
-                }
-            }
-        }
-        match split {
-            Some(remaining) => Ok(Acquire::Held { remaining }),
-            None => Err(Error::QuorumNotReached {
-                acquired: best,
-                required: self.quorum(),
-            }),
-        }
+        self.rounds(
+            waiting,
+            |remaining| Acquire::Held { remaining },
+            |remaining| Acquire::Warming { remaining },
+            || self.round(key, token, ttl, waiting, terms, call_start),
+        )
+        .await
     }
 
     async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
@@ -869,42 +876,13 @@ impl Backend for Redlock {
     ) -> Result<ReentrantAcquire> {
         let call_start = Instant::now();
         let terms = self.terms(ttl)?;
-        let mut best = 0;
-        let mut split = None;
-        for attempt in 0..=self.options.retries {
-            if attempt > 0 {
-                let delay = self
-                    .options
-                    .retry_delay
-                    .mul_f64(rand::random_range(0.0..=1.0));
-                runtime::sleep(delay).await;
-            }
-            let round = self
-                .reentrant_round(key, owner, hold, ttl, waiting, terms, call_start)
-                .await;
-            match round {
-                ReentrantRound::Acquired(acquired) => return Ok(acquired),
-                ReentrantRound::Held(remaining) => return Ok(ReentrantAcquire::Held { remaining }),
-                ReentrantRound::Split(remaining) => split = Some(remaining),
-                ReentrantRound::Unavailable {
-                    warming: Some(remaining),
-                    ..
-                } if waiting.recheck().is_some() => {
-                    return Ok(ReentrantAcquire::Warming { remaining });
-                }
-                ReentrantRound::Unavailable { granted, .. } => {
-                    split = None;
-                    best = best.max(granted);
-                }
-            }
-        }
-        match split {
-            Some(remaining) => Ok(ReentrantAcquire::Held { remaining }),
-            None => Err(Error::QuorumNotReached {
-                acquired: best,
-                required: self.quorum(),
-            }),
-        }
+        self.rounds(
+            waiting,
+            |remaining| ReentrantAcquire::Held { remaining },
+            |remaining| ReentrantAcquire::Warming { remaining },
+            || self.reentrant_round(key, owner, hold, ttl, waiting, terms, call_start),
+        )
+        .await
     }
 
     /// On every node; the count left is the largest among the nodes that answered. `None` when more
@@ -949,17 +927,6 @@ impl Backend for Redlock {
             })
         }
     }
-}
-
-/// What one reentrant acquire round came to (see [`Round`]).
-enum ReentrantRound {
-    Acquired(ReentrantAcquire),
-    Held(Option<Duration>),
-    Split(Option<Duration>),
-    Unavailable {
-        granted: usize,
-        warming: Option<Duration>,
-    },
 }
 
 /// One node's grant in a reentrant round: (node, fencing token, count).
@@ -1019,7 +986,7 @@ impl Redlock {
         waiting: Waiting,
         terms: NodeTerms,
         call_start: Instant,
-    ) -> ReentrantRound {
+    ) -> Round<ReentrantAcquire> {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
         let mut validity = self.validity(ttl);
@@ -1119,14 +1086,14 @@ impl Redlock {
             .await;
         }
         if let Some(acquired) = outcome {
-            return ReentrantRound::Acquired(acquired);
+            return Round::Acquired(acquired);
         }
         if votes.held > 0 && votes.granted > 0 {
-            ReentrantRound::Split(held)
+            Round::Split(held)
         } else if votes.held > 0 {
-            ReentrantRound::Held(held)
+            Round::Held(held)
         } else {
-            ReentrantRound::Unavailable {
+            Round::Unavailable {
                 granted: votes.agreeing,
                 warming: warming.filter(|_| votes.granted + votes.warming >= q),
             }
