@@ -14,12 +14,10 @@
 
 use std::time::{Duration, Instant};
 
-use futures::future;
-
 use crate::backend::{Acquire, FairAttempt, Subscription};
 use crate::error::{Error, Result};
 use crate::guard::{LockGuard, ReleaseOnDrop};
-use crate::lock::{jitter, Lock};
+use crate::lock::{Lock, Pauses};
 use crate::runtime::{self, Rt};
 use crate::token::Token;
 
@@ -59,7 +57,7 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
     };
     let notify = wait.is_some() && opts.retry.notify;
     let mut sub: Option<Subscription> = None;
-    let mut backoff = opts.retry.min_delay;
+    let mut pauses = Pauses::new(&opts.retry, notify);
     let mut first = true;
     loop {
         let woken = sub.as_ref().map(Subscription::listen);
@@ -121,25 +119,10 @@ pub(crate) async fn run(lock: &Lock, wait: Option<Option<Duration>>) -> Result<O
             );
             continue;
         }
-        let mut pause = if notify {
-            jitter(recheck, 0.8)
-        } else {
-            let p = jitter(backoff, 0.5);
-            backoff = backoff.saturating_mul(2).min(recheck);
-            p
-        };
-        if let Some(r) = remaining {
-            // The holder's lease runs out then (a crashed holder never publishes), or the
-            // head's deadline passes (a crashed head is evicted then).
-            pause = pause.min(r + Duration::from_millis(1));
+        // The holder's lease runs out after `remaining` (a crashed holder never publishes),
+        // or the head's deadline passes (a crashed head is evicted then).
+        if !pauses.wait(woken, remaining, deadline).await {
+            return Err(timeout());
         }
-        let sleep = std::pin::pin!(runtime::sleep(pause));
-        let waited = match woken {
-            Some(w) => runtime::until(deadline, future::select(w, sleep))
-                .await
-                .map(drop),
-            None => runtime::until(deadline, sleep).await,
-        };
-        waited.ok_or_else(timeout)?;
     }
 }

@@ -333,7 +333,7 @@ impl Lock {
         let notify = wait.is_some() && opts.retry.notify;
         let recheck = opts.retry.max_delay;
         let mut sub: Option<Subscription> = None;
-        let mut backoff = opts.retry.min_delay;
+        let mut pauses = Pauses::new(&opts.retry, notify);
         // A waiting acquire's first attempt yields to the waiters already there; later ones
         // compete as a waiter.
         let mut arriving = true;
@@ -391,25 +391,58 @@ impl Lock {
                 );
                 continue;
             }
-            let mut pause = if notify {
-                jitter(opts.retry.max_delay, 0.8)
-            } else {
-                let p = jitter(backoff, 0.5);
-                backoff = backoff.saturating_mul(2).min(opts.retry.max_delay);
-                p
-            };
-            if let Some(r) = remaining {
-                // The holder's lease runs out then (a crashed holder never publishes).
-                pause = pause.min(r + Duration::from_millis(1));
+            // The holder's lease runs out after `remaining` (a crashed holder never
+            // publishes): the pause is no longer than that.
+            if !pauses.wait(woken, remaining, deadline).await {
+                return Err(timeout());
             }
-            let sleep = std::pin::pin!(runtime::sleep(pause));
-            let waited = match woken {
-                Some(w) => runtime::until(deadline, future::select(w, sleep))
-                    .await
-                    .map(drop),
-                None => runtime::until(deadline, sleep).await,
-            };
-            waited.ok_or_else(timeout)?;
+        }
+    }
+}
+
+/// The waits between a waiting acquire's attempts: until a wake-up (a release or hand-off)
+/// or a pause, whichever comes first. With wake-ups the pause is a fallback re-check at
+/// most every `max_delay`; without (polling) it grows from `min_delay` to `max_delay`. Either
+/// way it is jittered, and no longer than what the store said is left of the holder's lease.
+pub(crate) struct Pauses {
+    notify: bool,
+    next: Duration,
+    max: Duration,
+}
+
+impl Pauses {
+    pub(crate) fn new(retry: &crate::RetryPolicy, notify: bool) -> Self {
+        Pauses {
+            notify,
+            next: retry.min_delay,
+            max: retry.max_delay,
+        }
+    }
+
+    /// Waits for `woken` or the next pause (at most `remaining` + 1 ms); `false` if
+    /// `deadline` came first.
+    pub(crate) async fn wait(
+        &mut self,
+        woken: Option<crate::backend::Released>,
+        remaining: Option<Duration>,
+        deadline: Option<Instant>,
+    ) -> bool {
+        let mut pause = if self.notify {
+            jitter(self.max, 0.8)
+        } else {
+            let p = jitter(self.next, 0.5);
+            self.next = self.next.saturating_mul(2).min(self.max);
+            p
+        };
+        if let Some(r) = remaining {
+            pause = pause.min(r + Duration::from_millis(1));
+        }
+        let sleep = std::pin::pin!(runtime::sleep(pause));
+        match woken {
+            Some(w) => runtime::until(deadline, future::select(w, sleep))
+                .await
+                .is_some(),
+            None => runtime::until(deadline, sleep).await.is_some(),
         }
     }
 }

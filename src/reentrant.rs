@@ -41,7 +41,7 @@ use futures::future::{self, BoxFuture};
 
 use crate::backend::{Backend, NodeTerms, ReentrantAcquire, Subscription, Waiting};
 use crate::error::{Error, Result};
-use crate::lock::{jitter, Lock, ManagerInner};
+use crate::lock::{Lock, ManagerInner, Pauses};
 use crate::runtime::{self, Rt};
 use crate::token::{LeaseKey, Token};
 use crate::watchdog::LeaseState;
@@ -252,7 +252,7 @@ impl ReentrantLock {
         let notify = wait.is_some() && opts.retry.notify;
         let recheck = opts.retry.max_delay;
         let mut sub: Option<Subscription> = None;
-        let mut backoff = opts.retry.min_delay;
+        let mut pauses = Pauses::new(&opts.retry, notify);
         let mut arriving = true;
         loop {
             let woken = sub.as_ref().map(Subscription::listen);
@@ -319,24 +319,9 @@ impl ReentrantLock {
                 );
                 continue;
             }
-            let mut pause = if notify {
-                jitter(recheck, 0.8)
-            } else {
-                let p = jitter(backoff, 0.5);
-                backoff = backoff.saturating_mul(2).min(recheck);
-                p
-            };
-            if let Some(r) = remaining {
-                pause = pause.min(r + Duration::from_millis(1));
+            if !pauses.wait(woken, remaining, deadline).await {
+                return Err(timeout());
             }
-            let sleep = std::pin::pin!(runtime::sleep(pause));
-            let waited = match woken {
-                Some(w) => runtime::until(deadline, future::select(w, sleep))
-                    .await
-                    .map(drop),
-                None => runtime::until(deadline, sleep).await,
-            };
-            waited.ok_or_else(timeout)?;
         }
     }
 }
