@@ -79,7 +79,8 @@ impl fmt::Display for LockInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "held: {}", if self.held { "yes" } else { "no" })?;
         if let Some(label) = &self.holder_label {
-            writeln!(f, "holder: {label}")?;
+            // Escaped: a label is anyone's text, and must not fake lines of this output.
+            writeln!(f, "holder: {}", label.escape_debug())?;
         } else if self.held {
             writeln!(f, "holder: (no label)")?;
         }

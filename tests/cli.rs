@@ -356,6 +356,20 @@ fn bad_input_and_unreachable_servers_get_clear_messages() {
         "{err}"
     );
     assert!(!err.contains("secret"), "{err}");
+    // A password with an `@` in it is masked whole.
+    let mut cmd = redlease(&srv, &["--connect-timeout", "1s", "inspect", "x"]);
+    cmd.env("REDIS_URL", "redis://user:p@ss@127.0.0.1:1");
+    let err = stderr(&output(cmd));
+    assert!(err.contains("redis://***@127.0.0.1:1"), "{err}");
+    assert!(!err.contains("ss@"), "{err}");
+    // `--help` names REDIS_URL but never shows its value.
+    let mut cmd = redlease(&srv, &["--help"]);
+    cmd.env("REDIS_URL", "redis://user:s3cret@127.0.0.1:1");
+    let help = stdout(&output(cmd));
+    assert!(
+        help.contains("REDIS_URL") && !help.contains("s3cret"),
+        "{help}"
+    );
 
     let mut cmd = redlease(&srv, &["inspect", "x"]);
     cmd.env("REDIS_URL", "http://127.0.0.1");

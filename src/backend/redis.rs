@@ -1046,10 +1046,12 @@ impl RedisBackend {
         let (holds, plain): (Vec<usize>, Vec<usize>) =
             (0..leases.len()).partition(|&i| leases[i].token.is_hold());
         let plain_leases: Vec<Lease<'_>> = plain.iter().map(|&i| leases[i]).collect();
-        let plain_out = if plain_leases.is_empty() {
-            Vec::new()
-        } else {
-            self.extend_node(&plain_leases, terms).await?
+        let plain_call = async {
+            if plain_leases.is_empty() {
+                Ok(Vec::new())
+            } else {
+                self.extend_node(&plain_leases, terms).await
+            }
         };
         let min_uptime = ms(terms.get_min_uptime());
         let reentrant: Vec<Lease<'_>> = holds.iter().map(|&i| leases[i]).collect();
@@ -1078,11 +1080,13 @@ impl RedisBackend {
                 Ok::<_, Error>((idx, reply))
             }
         });
+        // Both kinds at once: one round trip for the round, not one per kind.
+        let (plain_out, chunks) = futures::join!(plain_call, futures::future::join_all(calls));
         let mut out = vec![None; leases.len()];
-        for (&i, v) in plain.iter().zip(plain_out) {
+        for (&i, v) in plain.iter().zip(plain_out?) {
             out[i] = v;
         }
-        for chunk in futures::future::join_all(calls).await {
+        for chunk in chunks {
             let (idx, reply) = chunk?;
             for (j, ok) in idx.into_iter().zip(reply) {
                 let ttl = reentrant[j].ttl;

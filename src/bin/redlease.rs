@@ -58,6 +58,9 @@ Exit codes of `run`:
   5                        Redis could not be reached, or failed
   126, 127                 the command could not be run, or was not found";
 
+/// Where Redis is when neither `--url` nor `REDIS_URL` says.
+const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+
 /// A distributed flock(1): hold a lock on Redis while a command runs.
 #[derive(Debug, Parser)]
 #[command(name = "redlease", version, after_long_help = EXAMPLES)]
@@ -67,7 +70,7 @@ struct Cli {
         long,
         env = "REDIS_URL",
         hide_env_values = true,
-        default_value = "redis://127.0.0.1:6379",
+        default_value = DEFAULT_URL,
         global = true
     )]
     url: String,
@@ -194,13 +197,18 @@ fn shown_url(url: &str) -> String {
 
 async fn connect(cli: &Cli) -> Result<RedisBackend, Fail> {
     let opts = RedisOptions::new().connect_timeout(cli.connect_timeout);
-    RedisBackend::connect_with(&cli.url, opts)
+    // An empty REDIS_URL (set but blank, as shells and cron do) means the default.
+    let url = match cli.url.trim() {
+        "" => DEFAULT_URL,
+        url => url,
+    };
+    RedisBackend::connect_with(url, opts)
         .await
         .map_err(|e| match e {
             Error::InvalidConfig(msg) => Fail(EXIT_USAGE, format!("bad --url / REDIS_URL: {msg}")),
             e => Fail(
                 EXIT_UNAVAILABLE,
-                format!("cannot reach Redis at {}: {e}", shown_url(&cli.url)),
+                format!("cannot reach Redis at {}: {e}", shown_url(url)),
             ),
         })
 }
