@@ -18,6 +18,9 @@ use crate::token::{LeaseKey, Token};
 /// How long an abandoned reentrant hold stays barred (as the Redis backend's tombstones).
 const BARRED: Duration = Duration::from_secs(300);
 
+/// How long the answer for a replayed reentrant release is kept (as the Redis fence hash's).
+const ENDED_KEPT: Duration = Duration::from_secs(3600);
+
 /// Leases held in this process: for tests, and for single-process apps that want the same
 /// API (guards, watchdog, fencing tokens, waiting) without a server.
 ///
@@ -53,7 +56,7 @@ struct State {
     reigns: HashMap<LeaseKey, Reign>,
     /// Reentrant locks: the hold whose release ended each key's last reign (a replayed
     /// release of it answers 0 again).
-    ended: HashMap<LeaseKey, Token>,
+    ended: HashMap<LeaseKey, (Token, Instant)>,
     /// Reentrant locks: abandoned holds, never counted until the instant given.
     barred: HashMap<Token, Instant>,
     ops: u64,
@@ -110,6 +113,10 @@ impl State {
                 !q.order.is_empty()
             });
             self.barred.retain(|_, until| *until > now);
+            // A replayed release comes within seconds; the Redis backend keeps its answer an
+            // hour (the fence hash's `r`). Kept as long here, then dropped.
+            self.ended
+                .retain(|_, (_, at)| now.saturating_duration_since(*at) < ENDED_KEPT);
             let leases = &self.leases;
             self.reigns.retain(|k, r| {
                 leases
@@ -488,7 +495,7 @@ impl Backend for MemoryBackend {
                 if reign.holds.is_empty() {
                     st.reigns.remove(key);
                     st.leases.remove(key);
-                    st.ended.insert(key.clone(), hold.clone());
+                    st.ended.insert(key.clone(), (hold.clone(), now));
                     st.wake(key);
                     st.wake_head(key, now);
                     return Ok(Some(0));
@@ -501,7 +508,7 @@ impl Backend for MemoryBackend {
             }
             return Ok(None);
         }
-        if st.holder(key, now).is_none() && st.ended.get(key) == Some(hold) {
+        if st.holder(key, now).is_none() && st.ended.get(key).is_some_and(|(h, _)| h == hold) {
             return Ok(Some(0));
         }
         Ok(None)
