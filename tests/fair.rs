@@ -365,8 +365,12 @@ async fn sixteen_tasks_on_one_key_never_overlap(store: Store) {
         Arc::new((0..16).map(|_| Default::default()).collect());
     let stop = Arc::new(AtomicBool::new(false));
     let first_finish = Arc::new(Mutex::new(None::<Vec<u64>>));
-    // Every task starts once all managers are connected.
-    let go = Arc::new(tokio::sync::Barrier::new(16));
+    // Every task starts once all managers are connected, and queues behind a first holder:
+    // the count starts once all 16 stand in the queue (a task the scheduler starts late
+    // would otherwise join the queue rounds after the others, fairly, but behind).
+    let go = Arc::new(tokio::sync::Barrier::new(17));
+    let gate = store.manager(fair().ttl(Duration::from_secs(2))).await;
+    let first = gate.lock("sixteen").acquire().await.unwrap();
     let mut tasks = Vec::new();
     for m in 0..4 {
         let locks = store.manager(fair().ttl(Duration::from_secs(2))).await;
@@ -400,6 +404,17 @@ async fn sixteen_tasks_on_one_key_never_overlap(store: Store) {
             }));
         }
     }
+    go.wait().await;
+    let began = Instant::now();
+    loop {
+        let info = gate.lock("sixteen").inspect().await.unwrap();
+        if info.is_some_and(|i| i.queue_len == 16) {
+            break;
+        }
+        assert!(began.elapsed() < SOON, "the 16 tasks did not all queue");
+        tokio::task::yield_now().await;
+    }
+    first.release().await.unwrap();
     for t in tasks {
         within("worker", t).await.unwrap();
     }
