@@ -14,12 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use redlease::{
-    Acquire, Backend, Error, FairAttempt, Lease, LeaseKey, LockGuard, LockManager, LockOptions,
-    MemoryBackend, RedisBackend, RedisOptions, RetryPolicy, Subscription, Token, Waiting,
+    Acquire, Backend, Error, FairAttempt, LeaseKey, LockGuard, LockManager, LockOptions,
+    MemoryBackend, RedisBackend, RedisOptions, RetryPolicy, Token,
 };
-use support::{wait_for_async, Checker, RedisServer};
+use support::{wait_for_async, Checker, PlainOnly, RedisServer};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -628,39 +627,7 @@ async fn queue_keys_share_the_hash_tag_and_expire() {
 // A backend without fair locks.
 // ---------------------------------------------------------------------------------------
 
-/// A backend that implements only the required methods (as a composed backend such as a
-/// Redlock does), so it inherits the fair defaults.
-#[derive(Debug, Clone, Default)]
-struct PlainOnly(MemoryBackend);
-
-#[async_trait]
-impl Backend for PlainOnly {
-    async fn try_acquire(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-    ) -> redlease::Result<Acquire> {
-        self.0.try_acquire(key, token, ttl, waiting).await
-    }
-
-    async fn extend(&self, leases: &[Lease<'_>]) -> redlease::Result<Vec<Option<Duration>>> {
-        self.0.extend(leases).await
-    }
-
-    async fn release(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.0.release(key, token).await
-    }
-
-    async fn abandon(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.0.abandon(key, token).await
-    }
-
-    async fn subscribe(&self, key: &LeaseKey) -> redlease::Result<Subscription> {
-        self.0.subscribe(key).await
-    }
-}
+// (`support::PlainOnly`.)
 
 #[tokio::test]
 async fn fair_over_an_unsupported_backend_is_invalid_config() {

@@ -13,13 +13,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use redlease::{
-    Acquire, Backend, Error, Lease, LeaseKey, LockManager, LockOptions, MemoryBackend, NodeTerms,
-    Owner, RedisBackend, RedisOptions, Redlock, RedlockOptions, ReentrantAcquire, RetryPolicy,
-    Subscription, Token, Waiting,
+    Acquire, Backend, Error, LeaseKey, LockManager, LockOptions, MemoryBackend, NodeTerms, Owner,
+    RedisBackend, RedisOptions, Redlock, RedlockOptions, ReentrantAcquire, RetryPolicy, Token,
+    Waiting,
 };
-use support::{wait_for_async, Checker, RedisServer};
+use support::{wait_for_async, Checker, PlainOnly, RedisServer};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -717,38 +716,7 @@ async fn a_lost_lease_marks_every_guard_of_the_reign_lost() {
 // A backend without reentrant locks.
 // ---------------------------------------------------------------------------------------
 
-/// A backend that implements only the required methods, so it inherits the defaults.
-#[derive(Debug, Clone, Default)]
-struct PlainOnly(MemoryBackend);
-
-#[async_trait]
-impl Backend for PlainOnly {
-    async fn try_acquire(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-    ) -> redlease::Result<Acquire> {
-        self.0.try_acquire(key, token, ttl, waiting).await
-    }
-
-    async fn extend(&self, leases: &[Lease<'_>]) -> redlease::Result<Vec<Option<Duration>>> {
-        self.0.extend(leases).await
-    }
-
-    async fn release(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.0.release(key, token).await
-    }
-
-    async fn abandon(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.0.abandon(key, token).await
-    }
-
-    async fn subscribe(&self, key: &LeaseKey) -> redlease::Result<Subscription> {
-        self.0.subscribe(key).await
-    }
-}
+// (`support::PlainOnly`.)
 
 #[tokio::test]
 async fn reentrant_over_an_unsupported_backend_is_invalid_config() {

@@ -531,15 +531,9 @@ impl Redlock {
                     granted.push((i, *fencing_token));
                     known.push(i);
                 }
-                Some(Ok(Acquire::Held { remaining })) => {
-                    // The soonest any holder's lease runs out.
-                    held = match (held, *remaining) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
-                }
+                Some(Ok(Acquire::Held { remaining })) => held = soonest(held, *remaining),
                 Some(Ok(Acquire::Warming { remaining })) => {
-                    warming = Some(warming.map_or(*remaining, |w| w.min(*remaining)));
+                    warming = soonest(warming, Some(*remaining));
                 }
                 // Failed before anything was sent: nothing to take back.
                 Some(Err(e)) if not_sent(e) => {}
@@ -711,6 +705,15 @@ impl Redlock {
                 required: q,
             })
         }
+    }
+}
+
+/// The sooner of two times left (a holder's lease, a node's warm-up); unknown counts as
+/// later than any known one.
+fn soonest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -1027,13 +1030,10 @@ impl Redlock {
                     }
                 }
                 Some(Ok(ReentrantAcquire::Held { remaining })) => {
-                    held = match (held, *remaining) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
+                    held = soonest(held, *remaining);
                 }
                 Some(Ok(ReentrantAcquire::Warming { remaining })) => {
-                    warming = Some(warming.map_or(*remaining, |w| w.min(*remaining)));
+                    warming = soonest(warming, Some(*remaining));
                 }
                 Some(Err(e)) if not_sent(e) => {}
                 None if cut_short => answering.push(i),

@@ -4,15 +4,18 @@
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
+//! * [`PlainOnly`]: a backend with only the trait's required methods.
 //!
 //! Each test binary uses only part of this module, hence the `allow`s below
 //! (`unreachable_pub`: the module is private to each test crate).
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 mod checker;
+mod plain;
 mod server;
 
 pub use checker::{Checker, Section};
+pub use plain::PlainOnly;
 pub use server::{Conn, RedisServer, Resp};
 
 use std::future::Future;
