@@ -47,6 +47,9 @@ struct Plan {
     quick: bool,
     /// `--only W2,W3`: run just these workloads (for iterating on one number).
     only: Option<Vec<String>>,
+    /// `--lib drop`: in W1 and W2, run only the rows whose name contains this (to profile one
+    /// row under perf; the ratios of the rows left out read 0 or inf).
+    lib: Option<String>,
     repeats: usize,
     dur: Duration,
     w3_quota: u64,
@@ -69,6 +72,11 @@ impl Plan {
             .position(|a| a == "--only")
             .and_then(|i| args.get(i + 1))
             .map(|s| s.split(',').map(|w| w.trim().to_uppercase()).collect());
+        let lib = args
+            .iter()
+            .position(|a| a == "--lib")
+            .and_then(|i| args.get(i + 1))
+            .cloned();
         let out = args
             .iter()
             .position(|a| a == "--out")
@@ -86,6 +94,7 @@ impl Plan {
             Plan {
                 quick,
                 only,
+                lib: lib.clone(),
                 repeats: 1,
                 dur: Duration::from_millis(1500),
                 w3_quota: 60,
@@ -98,6 +107,7 @@ impl Plan {
             Plan {
                 quick,
                 only,
+                lib,
                 repeats: 5,
                 dur: Duration::from_secs(3),
                 w3_quota: 200,
@@ -193,6 +203,13 @@ async fn main() {
         for r in 0..plan.repeats {
             for k in 0..single.len() {
                 let i = (k + r) % single.len();
+                if plan
+                    .lib
+                    .as_ref()
+                    .is_some_and(|l| !single[i].name().contains(l.as_str()))
+                {
+                    continue;
+                }
                 let cpu0 = workloads::redis_cpu(&node);
                 let v = if tasks == 1 {
                     workloads::w1(&clients, single[i], plan.dur).await
