@@ -141,7 +141,7 @@ fn unsupported(backend: &dyn fmt::Debug, what: &str) -> crate::Error {
 
 /// What an acquire attempt is part of, for [`Backend::try_acquire`].
 ///
-/// Waiters register with the store (on Redis a short-lived flag beside the lease, so the
+/// Waiters register with the store (on Redis a deadline in the lock's fence hash, so the
 /// release knows to publish). A waiting acquire's first attempt yields to waiters already
 /// registered: it does not take the lock out from under them. Its later attempts compete as
 /// a waiter. This keeps a holder that releases and re-acquires at once from taking the lock

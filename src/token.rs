@@ -131,9 +131,8 @@ impl fmt::Debug for Token {
 pub struct LeaseKey(Arc<str>);
 
 /// The derived names' suffixes, in [`Part`] order.
-const PARTS: [&str; 9] = [
+const PARTS: [&str; 8] = [
     "fence",
-    "waiters",
     "abandoned",
     "released",
     "queue",
@@ -147,20 +146,19 @@ const PARTS: [&str; 9] = [
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Part {
     Fence = 0,
-    Waiters = 1,
-    Abandoned = 2,
-    Released = 3,
+    Abandoned = 1,
+    Released = 2,
     /// Fair locks: the list of waiting tokens, in arrival order.
-    Queue = 4,
+    Queue = 3,
     /// Fair locks: the sorted set of waiting tokens by deadline (server time, ms).
-    Timeouts = 5,
+    Timeouts = 4,
     /// Fair locks: the channel a release publishes the new queue head's token on.
-    Handoff = 6,
+    Handoff = 5,
     /// Reentrant locks: the hash {owner: hold count} of the reign holding the lease.
-    Owners = 7,
+    Owners = 6,
     /// Reentrant locks: the reign's live holds {hold token: 1}, plus its `owner`, `token`
     /// (the lease token) and `fence`.
-    Holds = 8,
+    Holds = 7,
 }
 
 /// A name beside a cached key's compute lease (see the stampede module). Made when used, not
@@ -258,7 +256,6 @@ mod tests {
         let k = LeaseKey::new("p:", "a{b}");
         for (part, suffix) in [
             (Part::Fence, "fence"),
-            (Part::Waiters, "waiters"),
             (Part::Abandoned, "abandoned"),
             (Part::Released, "released"),
             (Part::Queue, "queue"),

@@ -64,6 +64,24 @@ fn pttl(srv: &RedisServer, key: &str) -> i64 {
         .unwrap_or_else(|| panic!("PTTL {key} did not return an integer"))
 }
 
+/// The server's clock in ms (TIME).
+fn server_ms(srv: &RedisServer) -> i64 {
+    let t = srv.cmd(&["TIME"]);
+    let part = |i: usize| {
+        t.as_array()
+            .and_then(|a| a.get(i))
+            .and_then(|v| v.as_int())
+            .unwrap_or_else(|| panic!("TIME replied {t:?}"))
+    };
+    part(0) * 1000 + part(1) / 1000
+}
+
+/// Until when (server ms) plain waiters asked for the release to be published: the fence
+/// hash's `w`, if any.
+fn waiters_deadline(srv: &RedisServer, key: &LeaseKey) -> Option<i64> {
+    srv.cmd(&["HGET", &key.derived("fence"), "w"]).as_int()
+}
+
 /// Subscribers of `channel` on the server (PUBSUB NUMSUB).
 fn numsub(srv: &RedisServer, channel: &str) -> i64 {
     let r = srv.cmd(&["PUBSUB", "NUMSUB", channel]);
@@ -220,12 +238,16 @@ async fn every_lease_is_created_with_its_ttl_in_one_step() {
     assert_eq!(srv.cmd(&["SETNX", key.as_str(), "x"]).as_int(), Some(0));
     // The fence hash is kept while the lock is held (it carries the holder's label) and
     // expires an hour after the release (the clock floor keeps tokens increasing after
-    // it); the waiters flag expires on its own too.
+    // it); the waiters flag is a deadline in it, so it runs out on its own too.
     assert_eq!(pttl(&srv, &key.derived("fence")), -1, "kept while held");
     let blocked = waiter.lock("ttl-at-once").acquire_timeout(ms(150)).await;
     assert!(matches!(blocked, Err(Error::Timeout { .. })), "{blocked:?}");
-    let flag = pttl(&srv, &key.derived("waiters"));
-    assert!(flag > 0, "the waiters flag expires on its own: PTTL {flag}");
+    let flag = waiters_deadline(&srv, &key).expect("a waiter registered");
+    let left = flag - server_ms(&srv);
+    assert!(
+        left > 0 && left < 60_000,
+        "the waiters flag runs out on its own: {left} ms left"
+    );
     guard.release().await.expect("release");
     assert!(!exists(&srv, key.as_str()));
     let fence = pttl(&srv, &key.derived("fence"));
@@ -767,7 +789,7 @@ async fn waiter_is_woken_by_the_release_after_its_pubsub_connection_was_killed()
         (r, Instant::now())
     });
     srv.wait_until(secs(3), |s| {
-        numsub(s, &channel) >= 1 && exists(s, &key.derived("waiters"))
+        numsub(s, &channel) >= 1 && waiters_deadline(s, &key).is_some_and(|w| w > server_ms(s))
     });
 
     assert!(srv.kill_pubsub_clients() >= 1);
@@ -1114,6 +1136,31 @@ async fn abandoned_acquire_arriving_after_its_clean_up_does_not_take_the_lease()
         !matches!(late, Acquire::Acquired { .. }) && left.is_none(),
         "an acquire arriving after its own clean-up release took the lease (reply {late:?}, \
          key now {left:?}): an orphan for a whole TTL"
+    );
+    // The clean-up made the fence hash (its `a` sends acquires to the tombstones): it expires
+    // as an unheld lock's does, and not before the tombstone.
+    let fence = key.derived("fence");
+    let left = pttl(&srv, &fence);
+    assert!(
+        (295_000..=3_600_000).contains(&left),
+        "fence hash made by a clean-up: PTTL {left}"
+    );
+    // A fence hash about to expire is kept for the tombstone's five minutes.
+    srv.cmd(&["PEXPIRE", &fence, "1000"]);
+    let t2 = Token::random();
+    assert!(!b.abandon(&key, &t2).await.expect("second clean-up"));
+    let left = pttl(&srv, &fence);
+    assert!(
+        (295_000..=300_000).contains(&left),
+        "fence hash kept for the tombstone: PTTL {left}"
+    );
+    let late = b
+        .try_acquire(&key, &t2, ttl, Waiting::No)
+        .await
+        .expect("late acquire");
+    assert!(
+        !matches!(late, Acquire::Acquired { .. }),
+        "barred token granted: {late:?}"
     );
 }
 

@@ -464,18 +464,16 @@ impl RedisBackend {
         vec![
             key.as_str().into(),
             key.part(Part::Fence).into(),
-            key.part(Part::Waiters).into(),
             key.part(Part::Abandoned).into(),
         ]
     }
 
     /// The keys of one release: the lease's, plus the fair queue's (a release hands a free
     /// lock to the queue's head).
-    fn release_keys(key: &LeaseKey) -> [Key; 6] {
+    fn release_keys(key: &LeaseKey) -> [Key; 5] {
         [
             key.as_str().into(),
             key.part(Part::Fence).into(),
-            key.part(Part::Waiters).into(),
             key.part(Part::Abandoned).into(),
             key.part(Part::Queue).into(),
             key.part(Part::Timeouts).into(),
@@ -546,7 +544,7 @@ impl RedisBackend {
 
     /// Sends acquire attempts as one script call; one reply per attempt, in order.
     async fn acquire_batch(self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
-        let mut keys = Vec::with_capacity(reqs.len() * 4);
+        let mut keys = Vec::with_capacity(reqs.len() * 3);
         let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 7);
         for r in &reqs {
             keys.extend(Self::lease_keys(&r.key));
@@ -574,7 +572,7 @@ impl RedisBackend {
 
     /// Sends releases and abandons as one script call; one reply per request, in order.
     async fn release_batch(self, reqs: Vec<ReleaseReq>) -> Result<Vec<bool>> {
-        let mut keys = Vec::with_capacity(reqs.len() * 6);
+        let mut keys = Vec::with_capacity(reqs.len() * 5);
         let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 4);
         for r in &reqs {
             keys.extend(Self::release_keys(&r.key));
@@ -931,7 +929,6 @@ impl Backend for RedisBackend {
             key.part(Part::Fence).into(),
             key.part(Part::Owners).into(),
             key.part(Part::Holds).into(),
-            key.part(Part::Waiters).into(),
             key.part(Part::Abandoned).into(),
         ];
         // As for plain attempts: the waiters flag outlives the next re-check.
@@ -995,7 +992,6 @@ impl Backend for RedisBackend {
             key.part(Part::Fence).into(),
             key.part(Part::Owners).into(),
             key.part(Part::Holds).into(),
-            key.part(Part::Waiters).into(),
             key.part(Part::Abandoned).into(),
             key.part(Part::Queue).into(),
             key.part(Part::Timeouts).into(),

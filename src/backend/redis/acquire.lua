@@ -1,8 +1,11 @@
 -- Acquire leases, one or many at once (group commit): per lease, SET NX PX, or "already
 -- ours" when a re-sent attempt finds its own token; a new grant mints a fencing token.
--- Per lease i (0-based), KEYS[4i+1..4i+4]:
---   lease key, fence hash {f = last token, r = last released token}, waiters flag,
---   abandoned tokens (sorted set, see release.lua)
+-- Per lease i (0-based), KEYS[3i+1..3i+3]:
+--   lease key, fence hash, abandoned tokens (sorted set, see release.lua)
+-- The fence hash holds: f = last fencing token, r = last released token (release.lua),
+--   h = holder label ('' for none), w = until when (server ms) plain waiters want a message
+--   on release, q = until when (server ms) the fair queue may hold waiters (fair_acquire.lua),
+--   a = until when (server ms) some token of this key is barred (release.lua)
 -- ARGV[7i+1..7i+7]:
 --   token, ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
 --   1 for a waiting acquire's first attempt (it yields to registered waiters),
@@ -23,12 +26,14 @@
 -- is gone.
 -- Uptime comes from INFO at one-second resolution (and Redis derives it from whole
 -- seconds of wall-clock time): one second is taken off, against the server.
+-- A grant costs TIME once per call, then HMGET, SET, HSET and PERSIST per lease.
 local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local now_ms = math.floor(clock / 1000)
 local uptime
 local out = {}
-for i = 0, #KEYS / 4 - 1 do
-  local lease, fence, waiters, abandoned = KEYS[4 * i + 1], KEYS[4 * i + 2], KEYS[4 * i + 3], KEYS[4 * i + 4]
+for i = 0, #KEYS / 3 - 1 do
+  local lease, fence, abandoned = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
   local token, ttl, flag, arriving = ARGV[7 * i + 1], ARGV[7 * i + 2], ARGV[7 * i + 3], ARGV[7 * i + 4]
   local floor, min_uptime = tonumber(ARGV[7 * i + 5]), tonumber(ARGV[7 * i + 6])
   local label = ARGV[7 * i + 7]
@@ -39,36 +44,38 @@ for i = 0, #KEYS / 4 - 1 do
   local code, value
   if min_uptime > 0 and uptime < min_uptime then
     code, value = 2, min_uptime - uptime
-  elseif redis.call('ZSCORE', abandoned, token) then
-    -- A late copy of an attempt that was given up and cleaned up already: never grant it.
-    code, value = 0, redis.call('PTTL', lease)
-  elseif arriving == '1' and redis.call('EXISTS', waiters) == 1
-      and redis.call('GET', lease) ~= token then
-    -- Others are waiting: let them go first rather than take the lock from under them (but
-    -- a re-sent attempt that holds the lease already is answered below). The flag is not
-    -- refreshed here: a flag left by waiters that have gone must not outlive them on
-    -- newcomers' account.
-    code, value = 0, redis.call('PTTL', lease)
-  elseif redis.call('SET', lease, token, 'NX', 'PX', ttl) then
-    local last = tonumber(redis.call('HGET', fence, 'f') or '0')
-    value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
-    redis.call('HSET', fence, 'f', string.format('%.0f', value))
-    if label ~= '' then
-      redis.call('HSET', fence, 'h', label)
-    else
-      redis.call('HDEL', fence, 'h')
-    end
-    redis.call('PERSIST', fence)
-    code = 1
-  elseif redis.call('GET', lease) == token then
-    -- Ours already: a re-sent attempt (after a reconnect, or sent again).
-    redis.call('PEXPIRE', lease, ttl)
-    code, value = 1, tonumber(redis.call('HGET', fence, 'f') or '0')
   else
-    if flag ~= '0' then
-      redis.call('SET', waiters, '1', 'PX', flag)
+    local seen = redis.call('HMGET', fence, 'f', 'a', 'w')
+    local last, barred, waited = seen[1], tonumber(seen[2]), tonumber(seen[3])
+    if barred and barred > now_ms and redis.call('ZSCORE', abandoned, token) then
+      -- A late copy of an attempt that was given up and cleaned up already: never grant it.
+      code, value = 0, redis.call('PTTL', lease)
+    elseif arriving == '1' and waited and waited > now_ms
+        and redis.call('GET', lease) ~= token then
+      -- Others are waiting: let them go first rather than take the lock from under them (but
+      -- a re-sent attempt that holds the lease already is answered below). The flag is not
+      -- refreshed here: a flag left by waiters that have gone must not outlive them on
+      -- newcomers' account.
+      code, value = 0, redis.call('PTTL', lease)
+    else
+      -- NX with GET: nothing when the lease was free (and is now ours), else the holder's token.
+      local holder = redis.call('SET', lease, token, 'NX', 'PX', ttl, 'GET')
+      if not holder then
+        value = math.max(tonumber(last or '0') + 1, clock, math.min(floor, clock + 2000000))
+        redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
+        redis.call('PERSIST', fence)
+        code = 1
+      elseif holder == token then
+        -- Ours already: a re-sent attempt (after a reconnect, or sent again).
+        redis.call('PEXPIRE', lease, ttl)
+        code, value = 1, tonumber(last or '0')
+      else
+        if flag ~= '0' then
+          redis.call('HSET', fence, 'w', string.format('%.0f', now_ms + tonumber(flag)))
+        end
+        code, value = 0, redis.call('PTTL', lease)
+      end
     end
-    code, value = 0, redis.call('PTTL', lease)
   end
   out[2 * i + 1] = code
   out[2 * i + 2] = value

@@ -1,6 +1,6 @@
 -- Fair (FIFO) acquire, one or many attempts at once (group commit).
 -- Per attempt i (0-based), KEYS[5i+1..5i+5]:
---   lease key, fence hash (see acquire.lua), abandoned tokens (see release.lua),
+--   lease key, fence hash (fields: see acquire.lua), abandoned tokens (see release.lua),
 --   queue (list of waiting tokens, oldest first), timeouts (sorted set: token -> deadline,
 --   server time in ms)
 -- ARGV[5i+1..5i+5]:
@@ -49,12 +49,7 @@ for i = 0, #KEYS / 5 - 1 do
       redis.call('SET', lease, token, 'PX', ttl)
       local last = tonumber(redis.call('HGET', fence, 'f') or '0')
       value = math.max(last + 1, floor)
-      redis.call('HSET', fence, 'f', string.format('%.0f', value))
-      if label ~= '' then
-        redis.call('HSET', fence, 'h', label)
-      else
-        redis.call('HDEL', fence, 'h')
-      end
+      redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
       -- Kept while held, expires an hour after the release (see acquire.lua).
       redis.call('PERSIST', fence)
       code = 1
@@ -72,6 +67,12 @@ for i = 0, #KEYS / 5 - 1 do
         local keep = math.max(tonumber(last[2]) - now, 1) + 1000
         redis.call('PEXPIRE', queue, keep)
         redis.call('PEXPIRE', timeouts, keep)
+        -- Tells releases until when to look for a queue head to wake (see release.lua).
+        redis.call('HSET', fence, 'q', string.format('%.0f', now + keep))
+        if free and redis.call('PTTL', fence) == -1 then
+          -- Not held, so the hash must expire (it may have just been made by the HSET).
+          redis.call('PEXPIRE', fence, 3600000)
+        end
       end
       if free and head and head ~= token then
         -- Free, but another waiter's turn: wake it (its wake-up may have been lost, or it

@@ -1,7 +1,7 @@
 -- Reentrant acquire: add one hold of an owner to the lock, starting a reign if it is free.
 -- KEYS: lease key, fence hash (see acquire.lua), owners hash {owner: count},
 --   holds hash {owner = .., token = lease token, fence = .., <hold> = 1 per live hold},
---   waiters flag, abandoned tokens (see release.lua)
+--   abandoned tokens (see release.lua)
 -- ARGV: owner, hold (an `h…` token), ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
 --   1 for a waiting acquire's first attempt, fence floor, minimum uptime (ms)
 -- Returns {1, fencing token, lease token, count} (counted), {0, pttl} (held by another owner
@@ -14,8 +14,7 @@
 -- reign are never mistaken for the current one.
 -- Idempotent per hold: a hold already counted is not counted again (a command re-sent
 -- after a reconnect), and an abandoned hold is never counted.
-local lease, fence, owners, holds, waiters, abandoned =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local lease, fence, owners, holds, abandoned = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local owner, hold, ttl, flag, arriving =
   ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local floor, min_uptime = tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -26,6 +25,9 @@ if min_uptime > 0 then
     return {2, min_uptime - up}
   end
 end
+local now = redis.call('TIME')
+local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local now_ms = math.floor(clock / 1000)
 if redis.call('ZSCORE', abandoned, hold) then
   -- A late copy of an attempt that was given up and cleaned up already.
   return {0, redis.call('PTTL', lease)}
@@ -50,23 +52,21 @@ if current then
     return {1, math.max(minted, raised), current, count}
   end
   if flag ~= '0' then
-    redis.call('SET', waiters, '1', 'PX', flag)
+    redis.call('HSET', fence, 'w', string.format('%.0f', now_ms + tonumber(flag)))
   end
   return {0, redis.call('PTTL', lease)}
 end
-if arriving == '1' and redis.call('EXISTS', waiters) == 1 then
+if arriving == '1' and tonumber(redis.call('HGET', fence, 'w') or '0') > now_ms then
   -- Free, but others wait: let them go first (see acquire.lua).
   return {0, -2}
 end
-local now = redis.call('TIME')
-local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local last = tonumber(redis.call('HGET', fence, 'f') or '0')
 local value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
 redis.call('HSET', fence, 'f', string.format('%.0f', value))
 -- Kept while held, expires an hour after the release (see acquire.lua). Reentrant reigns
 -- carry no holder label: clear one a crashed plain holder may have left.
 redis.call('PERSIST', fence)
-redis.call('HDEL', fence, 'h')
+redis.call('HSET', fence, 'h', '')
 redis.call('DEL', owners, holds)
 redis.call('SET', lease, hold, 'PX', ttl)
 redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', string.format('%.0f', value), hold, '1')

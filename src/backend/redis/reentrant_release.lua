@@ -1,8 +1,8 @@
 -- Reentrant release: take one hold out of the reign; at zero, delete the lease and wake
 -- waiters as release.lua does (plain waiters by the release channel, the fair queue's head by
 -- the hand-off channel).
--- KEYS: lease key, fence hash, owners hash, holds hash, waiters flag, abandoned tokens,
---   fair queue, fair timeouts (see reentrant_acquire.lua, release.lua, fair_acquire.lua)
+-- KEYS: lease key, fence hash, owners hash, holds hash, abandoned tokens, fair queue, fair
+--   timeouts (see reentrant_acquire.lua, release.lua, fair_acquire.lua)
 -- ARGV: owner, hold, the lease token as the caller knows it ('' when abandoning),
 --   tombstone ms (> 0 when abandoning: the hold is barred from being counted later),
 --   release channel, hand-off channel
@@ -12,8 +12,8 @@
 -- Idempotent per hold: a hold is counted once and taken out once. A repeated release of a
 -- hold already taken out of the same reign answers the count again; of the hold whose
 -- release ended the reign, 0 (the fence hash's `r`, as release.lua).
-local lease, fence, owners, holds, waiters, abandoned, queue, timeouts =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local lease, fence, owners, holds, abandoned, queue, timeouts =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local owner, hold, known, tombstone, channel, handoff =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local now_ms
@@ -38,13 +38,13 @@ if current and redis.call('HGET', holds, 'token') == current
       return {1, left}
     end
     redis.call('DEL', lease, owners, holds)
-    redis.call('HSET', fence, 'r', hold)
-    redis.call('HDEL', fence, 'h')
+    local seen = redis.call('HMGET', fence, 'w', 'q')
+    redis.call('HSET', fence, 'r', hold, 'h', '')
     redis.call('PEXPIRE', fence, 3600000)
-    if redis.call('EXISTS', waiters) == 1 then
+    if seen[1] and tonumber(seen[1]) > now() then
       redis.call('PUBLISH', channel, '1')
     end
-    if redis.call('LLEN', queue) > 0 then
+    if seen[2] and tonumber(seen[2]) > now() and redis.call('LLEN', queue) > 0 then
       -- Hand the free lock to the fair queue's head, skipping waiters that died.
       local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
       if #dead > 0 then

@@ -1,9 +1,9 @@
 -- Release leases, one or many at once (group commit): compare-and-delete, and wake waiters
 -- if any are registered: plain waiters by a message on the release channel, the fair
 -- queue's head by its token on the hand-off channel (only that waiter acts on it).
--- Per lease i (0-based), KEYS[6i+1..6i+6]:
---   lease key, fence hash, waiters flag, abandoned tokens, fair queue, fair timeouts
---   (see fair_acquire.lua)
+-- Per lease i (0-based), KEYS[5i+1..5i+5]:
+--   lease key, fence hash (fields: see acquire.lua), abandoned tokens, fair queue, fair
+--   timeouts (see fair_acquire.lua)
 -- ARGV[4i+1..4i+4]:
 --   token, release channel,
 --   tombstone ms: > 0 when abandoning an attempt whose outcome is unknown; the token is
@@ -13,6 +13,7 @@
 --   hand-off channel
 -- Returns per lease 1 (released, also when a re-sent release finds it released by the same
 -- token) or 0 (not ours).
+-- The common case costs five commands: GET, DEL, HMGET, HSET, PEXPIRE.
 local now_ms
 local function now()
   if not now_ms then
@@ -22,16 +23,20 @@ local function now()
   return now_ms
 end
 local out = {}
-for i = 0, #KEYS / 6 - 1 do
-  local lease, fence, waiters, abandoned = KEYS[6 * i + 1], KEYS[6 * i + 2], KEYS[6 * i + 3], KEYS[6 * i + 4]
-  local queue, timeouts = KEYS[6 * i + 5], KEYS[6 * i + 6]
+for i = 0, #KEYS / 5 - 1 do
+  local lease, fence, abandoned = KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3]
+  local queue, timeouts = KEYS[5 * i + 4], KEYS[5 * i + 5]
   local token, channel, tombstone, handoff =
     ARGV[4 * i + 1], ARGV[4 * i + 2], tonumber(ARGV[4 * i + 3]), ARGV[4 * i + 4]
   local wake = false
   if tombstone > 0 then
+    local until_ms = now() + tombstone
     redis.call('ZREMRANGEBYSCORE', abandoned, '-inf', now())
-    redis.call('ZADD', abandoned, now() + tombstone, token)
+    redis.call('ZADD', abandoned, until_ms, token)
     redis.call('PEXPIRE', abandoned, tombstone)
+    -- The fence hash's `a` tells the acquire script to look in the sorted set.
+    local barred = tonumber(redis.call('HGET', fence, 'a') or '0')
+    redis.call('HSET', fence, 'a', string.format('%.0f', math.max(barred, until_ms)))
     -- A fair waiter that gave up leaves the queue at once; if it was the head, the next
     -- one is woken below rather than after the leaver's deadline.
     if redis.call('ZREM', timeouts, token) == 1 then
@@ -41,20 +46,33 @@ for i = 0, #KEYS / 6 - 1 do
   end
   if redis.call('GET', lease) == token then
     redis.call('DEL', lease)
+    local seen = redis.call('HMGET', fence, 'w', 'q')
     -- Remember the released token, so a release re-sent after a reconnect still says "ours";
     -- the holder's label goes with the lease.
-    redis.call('HSET', fence, 'r', token)
-    redis.call('HDEL', fence, 'h')
+    redis.call('HSET', fence, 'r', token, 'h', '')
     redis.call('PEXPIRE', fence, 3600000)
-    if redis.call('EXISTS', waiters) == 1 then
+    -- (The clock is read only when one of the two is there.)
+    if seen[1] and tonumber(seen[1]) > now() then
       redis.call('PUBLISH', channel, '1')
     end
-    wake = true
+    if seen[2] and tonumber(seen[2]) > now() then
+      wake = true
+    end
     out[i + 1] = 1
   elseif redis.call('HGET', fence, 'r') == token then
     out[i + 1] = 1
   else
     out[i + 1] = 0
+  end
+  if tombstone > 0 and redis.call('EXISTS', lease) == 0 then
+    -- Not held: the fence hash must keep `a` as long as the tombstone (it may have just been
+    -- made by the HSET above, with no expiry, or expire sooner).
+    local left = redis.call('PTTL', fence)
+    if left == -1 then
+      redis.call('PEXPIRE', fence, math.max(3600000, tombstone))
+    elseif left < tombstone then
+      redis.call('PEXPIRE', fence, tombstone)
+    end
   end
   if wake and redis.call('LLEN', queue) > 0 and redis.call('EXISTS', lease) == 0 then
     -- Hand the free lock to the queue's head, skipping waiters that died.
