@@ -354,6 +354,7 @@ impl Lock {
             // timeouts), so that a zero or tiny wait still takes a free lock.
             let limit = if arriving { None } else { deadline };
             let outcome = runtime::until(limit, attempt).await.ok_or_else(timeout)??;
+            let round_trip = started.elapsed();
             let remaining = match outcome {
                 Acquire::Acquired {
                     fencing_token,
@@ -375,21 +376,35 @@ impl Lock {
                 // Only a quorum member answers this, and only to `try_acquire_node`.
                 Acquire::Warming { remaining } => Some(remaining),
             };
+            // A first attempt turned away from a free lock: it yielded to registered waiters.
+            let yielded = arriving && remaining.is_none();
             arriving = false;
             pending.armed = false;
             if wait.is_none() {
                 return Ok(None);
             }
+            let mut woken = woken;
+            let mut remaining = remaining;
             if notify && sub.is_none() {
-                // Subscribe, then check again at once: a release that came before the
-                // subscription was confirmed is seen by that check.
+                // Subscribe, then check again: a release that came before the subscription
+                // was confirmed is seen by that check.
                 let subscribed = self.manager.backend.subscribe(&self.key);
-                sub = Some(
-                    runtime::until(deadline, subscribed)
-                        .await
-                        .ok_or_else(timeout)??,
-                );
-                continue;
+                let subscribed = runtime::until(deadline, subscribed)
+                    .await
+                    .ok_or_else(timeout)??;
+                if !yielded {
+                    sub = Some(subscribed);
+                    continue;
+                }
+                // The lock was free, and the waiters the release woke are on their way to
+                // it: check again after they have had two of our round trips and a
+                // millisecond to take it, or at the next release. Checking at once would race
+                // them, and a holder that releases and acquires again would mostly win its
+                // lock back (a flag left by waiters that have gone costs this short pause,
+                // not a fallback re-check's whole second).
+                woken = Some(subscribed.listen());
+                sub = Some(subscribed);
+                remaining = Some(round_trip.saturating_mul(2));
             }
             // The holder's lease runs out after `remaining` (a crashed holder never
             // publishes): the pause is no longer than that.

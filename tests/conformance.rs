@@ -278,6 +278,44 @@ async fn a_free_lock_is_taken_at_once_after_contention(store: Store) {
     }
 }
 
+/// A holder that releases and at once waits for the lock again does not win it back from a
+/// waiter that was there first: its first attempt yields to the registered waiter, and it
+/// competes only after the woken waiter had its chance. (Before, the re-check right after
+/// subscribing raced the woken waiter and mostly won: a loop of acquire, work, release kept
+/// the lock to itself.) The chance is a short pause, not a promise: a waiter whose process
+/// is starved of CPU for longer can still lose a round, so the test counts rounds.
+async fn a_releasing_holder_lets_the_waiter_go_first(store: Store) {
+    let a = store.manager(opts()).await;
+    let b = store.manager(opts()).await;
+    let rounds = 10;
+    let mut waiter_first = 0;
+    for _ in 0..rounds {
+        let held = a.lock("back").acquire().await.unwrap();
+        let waiting = b.lock("back");
+        let waiter = tokio::spawn(async move {
+            let g = waiting.acquire().await.unwrap();
+            let at = Instant::now();
+            g.release().await.unwrap();
+            at
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await; // the waiter registers meanwhile
+        held.release().await.unwrap();
+        let again = within("the holder's next acquire", a.lock("back").acquire())
+            .await
+            .unwrap();
+        let again_at = Instant::now();
+        again.release().await.unwrap();
+        let waiter_at = within("the waiter", waiter).await.unwrap();
+        waiter_first += usize::from(waiter_at < again_at);
+    }
+    eprintln!("the waiter went first in {waiter_first} of {rounds} rounds");
+    assert!(
+        waiter_first * 10 >= rounds * 6,
+        "the holder took its lock back before the waiter that was there in {} of {rounds} rounds",
+        rounds - waiter_first
+    );
+}
+
 async fn drop_releases_in_the_background(store: Store) {
     let a = store.manager(opts()).await;
     let b = store.manager(opts()).await;
@@ -468,6 +506,7 @@ conformance!(
     waiter_is_woken_by_the_release,
     drop_releases_in_the_background,
     a_free_lock_is_taken_at_once_after_contention,
+    a_releasing_holder_lets_the_waiter_go_first,
     crashed_holder_frees_the_lock_by_ttl,
     dropped_acquire_futures_leave_no_lease,
     lost_resolves_once_the_guard_is_released,
