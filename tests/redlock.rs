@@ -16,8 +16,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fred::interfaces::ClientLike;
 use redlease::{
-    Error, Lock, LockGuard, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions,
-    Redlock, RedlockOptions,
+    Acquire, Backend, Error, LeaseKey, Lock, LockGuard, LockManager, LockOptions, MemoryBackend,
+    NodeTerms, RedisBackend, RedisOptions, Redlock, RedlockOptions, Token, Waiting,
 };
 use support::{Checker, RedisServer};
 
@@ -787,6 +787,117 @@ async fn one_paused_node_costs_at_most_the_node_timeout_and_the_lease_is_kept() 
     servers[4].resume();
 }
 
+/// A paused node is not sent what would only queue behind its unanswered calls: once calls
+/// sent to it have had no answer for the limit, attempts fail at once without being sent, so
+/// nothing piles up in the client and the node, when it comes back, runs only the calls made
+/// before the limit (none of the refused ones takes a lease there). Then it is called again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_node_is_not_sent_what_would_queue_behind_its_unanswered_calls() {
+    paused_node_is_skipped(true).await;
+}
+
+/// The same when the callers give up on the calls they sent (as a quorum round drops a
+/// straggler): those calls still count as unanswered until the node answers them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_node_stays_skipped_when_its_callers_gave_up_on_their_calls() {
+    paused_node_is_skipped(false).await;
+}
+
+/// `wait`: the callers of the calls sent before the limit wait for their answers (else they
+/// drop them).
+async fn paused_node_is_skipped(wait: bool) {
+    let servers = start(1);
+    // A long command timeout: the client must not give the connection up during the pause
+    // (that is the other, slower, fail-fast path).
+    let node =
+        RedisBackend::connect_with(&servers[0].url(), redis_opts().command_timeout(secs(20)))
+            .await
+            .expect("connect");
+    let limit = ms(100);
+    let terms = NodeTerms::new().fail_fast(true).unanswered_limit(limit);
+    let ttl = secs(30);
+    let key = |i: usize| LeaseKey::new("paused:", &format!("k{i}"));
+    let attempt = |i: usize| {
+        let (node, key, token) = (node.clone(), key(i), Token::random());
+        async move {
+            node.try_acquire_node(&key, &token, ttl, Waiting::No, terms)
+                .await
+        }
+    };
+
+    servers[0].pause();
+    // Attempts made before the limit are sent (and hang); keep making them until one is
+    // refused without being sent.
+    let mut sent = Vec::new();
+    let began = Instant::now();
+    let mut next = 0..;
+    let refused_at = loop {
+        let i = next.next().expect("endless");
+        let mut call = tokio::spawn(attempt(i));
+        // A refusal comes at once; a sent attempt waits for the paused node.
+        match tokio::time::timeout(ms(20), &mut call).await {
+            Ok(done) => {
+                let err = done
+                    .expect("task")
+                    .expect_err("a paused node answers nothing");
+                assert!(err.to_string().contains("unanswered"), "{err}");
+                break i;
+            }
+            Err(_) if wait => sent.push(call),
+            Err(_) => call.abort(),
+        }
+        assert!(
+            began.elapsed() < secs(5),
+            "attempts were still sent to a node paused for {:?}",
+            began.elapsed()
+        );
+    };
+    assert!(began.elapsed() >= limit, "refused before the limit");
+    // From now on every attempt is refused at once.
+    for i in refused_at + 1..refused_at + 200 {
+        let err = within("a refused attempt", secs(1), attempt(i))
+            .await
+            .expect_err("refused");
+        assert!(err.to_string().contains("unanswered"), "{err}");
+    }
+
+    servers[0].resume();
+    // The calls sent before the limit are answered now (granted: the keys were free).
+    for call in sent {
+        let reply = within("a call sent before the limit", secs(10), call)
+            .await
+            .expect("task")
+            .expect("answered after the resume");
+        assert!(matches!(reply, Acquire::Acquired { .. }), "{reply:?}");
+    }
+    // Once the calls out are answered (seen by the crate even for callers that gave up), the
+    // node is called again; the connection answers in order, so everything sent before is
+    // done when this is.
+    let deadline = Instant::now() + secs(5);
+    loop {
+        match attempt(10_000).await {
+            Ok(reply) => {
+                assert!(matches!(reply, Acquire::Acquired { .. }), "{reply:?}");
+                break;
+            }
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the node was not called again after it came back: {e}"
+                );
+                support::sleep_async(ms(10)).await;
+            }
+        }
+    }
+    // None of the refused attempts reached the node.
+    for i in refused_at..refused_at + 200 {
+        assert!(
+            !exists(&servers[0], key(i).as_str()),
+            "attempt {i} was refused but took a lease on the node"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 6. A dead node (connection refused).
 // ---------------------------------------------------------------------------------------
@@ -1028,8 +1139,14 @@ struct Chaos {
 }
 
 /// Kills, pauses and restarts nodes at random, never leaving more than two of five
-/// unavailable (killed, paused or still warming up after a restart) at once.
-fn chaos(mut servers: Vec<RedisServer>, stop: &AtomicBool) -> (Vec<RedisServer>, Chaos) {
+/// unavailable (killed, paused or still warming up after a restart) at once. `faults` counts
+/// kills and pauses, `restarts` restarts, as they happen.
+fn chaos(
+    mut servers: Vec<RedisServer>,
+    stop: &AtomicBool,
+    faults: &AtomicUsize,
+    restarts: &AtomicUsize,
+) -> (Vec<RedisServer>, Chaos) {
     let mut state = vec![Node::Up; servers.len()];
     let mut stats = Chaos::default();
     let down_for = ms(250);
@@ -1042,6 +1159,7 @@ fn chaos(mut servers: Vec<RedisServer>, stop: &AtomicBool) -> (Vec<RedisServer>,
                 Node::Killed(at) if now - at >= down_for => {
                     srv.restart();
                     stats.restarts += 1;
+                    restarts.fetch_add(1, Ordering::SeqCst);
                     state[i] = Node::Warming;
                 }
                 Node::Paused(at) if now - at >= down_for => {
@@ -1068,6 +1186,7 @@ fn chaos(mut servers: Vec<RedisServer>, stop: &AtomicBool) -> (Vec<RedisServer>,
                 state[i] = Node::Paused(Instant::now());
             }
             stats.max_unavailable = stats.max_unavailable.max(unavailable + 1);
+            faults.fetch_add(1, Ordering::SeqCst);
         }
     }
     for (i, srv) in servers.iter().enumerate() {
@@ -1146,9 +1265,20 @@ async fn checker_1000_sections_from_four_managers_while_nodes_are_killed_paused_
 
     let began = Instant::now();
     let chaos_stop = stop.clone();
-    let chaos = std::thread::spawn(move || chaos(servers, &chaos_stop));
-    // 7-16 s seen on 2 shared cores under load; the limit is a stall bound.
-    let enough = support::wait_for_async(secs(20), || checker.sections() >= TARGET).await;
+    let faults = Arc::new(AtomicUsize::new(0));
+    let restarts = Arc::new(AtomicUsize::new(0));
+    let (chaos_faults, chaos_restarts) = (faults.clone(), restarts.clone());
+    let chaos =
+        std::thread::spawn(move || chaos(servers, &chaos_stop, &chaos_faults, &chaos_restarts));
+    // Until the target and enough faults to mean anything (a fast run could otherwise end
+    // before the chaos has done much). 7-16 s seen on 2 shared cores under load; the limit
+    // is a stall bound.
+    let enough = support::wait_for_async(secs(20), || {
+        checker.sections() >= TARGET
+            && faults.load(Ordering::SeqCst) >= 5
+            && restarts.load(Ordering::SeqCst) >= 1
+    })
+    .await;
     stop.store(true, Ordering::SeqCst);
     for w in workers {
         within("a worker to stop", secs(10), w)
@@ -1163,7 +1293,11 @@ async fn checker_1000_sections_from_four_managers_while_nodes_are_killed_paused_
         checker.violations()
     );
     drop(servers);
-    assert!(enough, "only {} sections in 20 s", checker.sections());
+    assert!(
+        enough,
+        "only {} sections and {faults:?} in 20 s",
+        checker.sections()
+    );
     checker.assert_ok();
     assert!(
         faults.kills + faults.pauses >= 5 && faults.restarts >= 1,

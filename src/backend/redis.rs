@@ -699,18 +699,36 @@ impl RedisBackend {
     /// Fails at once when the connection is down and the caller asked to (a quorum member
     /// that does not answer now is better skipped than waited for).
     fn check_connected(&self, terms: NodeTerms) -> Result<()> {
-        if terms.get_fail_fast() && !self.inner.client.is_connected() {
+        if !terms.get_fail_fast() {
+            return Ok(());
+        }
+        let host = || {
+            self.inner
+                .client
+                .client_config()
+                .server
+                .hosts()
+                .first()
+                .map(|h| format!("{}:{}", h.host, h.port))
+                .unwrap_or_default()
+        };
+        if !self.inner.client.is_connected() {
             return Err(Error::backend(NotSent(format!(
                 "not connected to {} (reconnecting)",
-                self.inner
-                    .client
-                    .client_config()
-                    .server
-                    .hosts()
-                    .first()
-                    .map(|h| format!("{}:{}", h.host, h.port))
-                    .unwrap_or_default()
+                host()
             ))));
+        }
+        if let (Some(limit), Some(quiet)) = (
+            terms.get_unanswered_limit(),
+            self.inner.ops.unanswered_for(),
+        ) {
+            if quiet > limit {
+                return Err(Error::backend(NotSent(format!(
+                    "{} has left calls unanswered for {} ms",
+                    host(),
+                    quiet.as_millis()
+                ))));
+            }
         }
         Ok(())
     }
