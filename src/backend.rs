@@ -104,8 +104,10 @@ impl NodeTerms {
     /// already sent to the node have had no answer for longer than `d` (a paused or wedged
     /// server whose connection still looks up). Calls that would only queue behind the
     /// unanswered ones are not made, so nothing piles up for the node, and nothing needs
-    /// cleaning up there when it comes back. The calls already out are the probe: once one
-    /// is answered (or they all time out), the node is called again.
+    /// cleaning up there when it comes back. One call per `d` still goes out as a probe: the
+    /// node answers the calls of a connection in order, so the probe's answer settles every
+    /// call before it (also those whose callers stopped waiting), and the node is called as
+    /// usual again.
     ///
     /// ```
     /// use std::time::Duration;

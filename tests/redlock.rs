@@ -788,16 +788,18 @@ async fn one_paused_node_costs_at_most_the_node_timeout_and_the_lease_is_kept() 
 }
 
 /// A paused node is not sent what would only queue behind its unanswered calls: once calls
-/// sent to it have had no answer for the limit, attempts fail at once without being sent, so
-/// nothing piles up in the client and the node, when it comes back, runs only the calls made
-/// before the limit (none of the refused ones takes a lease there). Then it is called again.
+/// sent to it have had no answer for the limit, attempts fail at once without being sent
+/// (but one probe per limit), so nothing piles up in the client and the node, when it comes
+/// back, runs only the calls made before the limit and the probes (none of the refused ones
+/// takes a lease there). Then it is called again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_node_is_not_sent_what_would_queue_behind_its_unanswered_calls() {
     paused_node_is_skipped(true).await;
 }
 
 /// The same when the callers give up on the calls they sent (as a quorum round drops a
-/// straggler): those calls still count as unanswered until the node answers them.
+/// straggler): those calls still count as unanswered until the node answers (them or a
+/// later call).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_node_stays_skipped_when_its_callers_gave_up_on_their_calls() {
     paused_node_is_skipped(false).await;
@@ -853,12 +855,35 @@ async fn paused_node_is_skipped(wait: bool) {
         );
     };
     assert!(began.elapsed() >= limit, "refused before the limit");
-    // From now on every attempt is refused at once.
-    for i in refused_at + 1..refused_at + 200 {
-        let err = within("a refused attempt", secs(1), attempt(i))
-            .await
-            .expect_err("refused");
-        assert!(err.to_string().contains("unanswered"), "{err}");
+    // From now on attempts are refused at once, but for one probe per limit.
+    let mut refused = vec![refused_at];
+    let mut probes = Vec::new();
+    let tripped = Instant::now();
+    for i in refused_at + 1..refused_at + 300 {
+        let mut call = tokio::spawn(attempt(i));
+        match tokio::time::timeout(ms(20), &mut call).await {
+            Ok(done) => {
+                let err = done
+                    .expect("task")
+                    .expect_err("a paused node answers nothing");
+                assert!(err.to_string().contains("unanswered"), "{err}");
+                refused.push(i);
+            }
+            Err(_) => probes.push(call),
+        }
+    }
+    let most = (tripped.elapsed().as_millis() / limit.as_millis() + 1) as usize;
+    assert!(
+        probes.len() <= most,
+        "{} attempts went out in {:?} (one probe per {limit:?})",
+        probes.len(),
+        tripped.elapsed()
+    );
+    assert!(refused.len() >= 200, "only {} refused", refused.len());
+    if wait {
+        sent.extend(probes);
+    } else {
+        probes.iter().for_each(|p| p.abort());
     }
 
     servers[0].resume();
@@ -890,12 +915,47 @@ async fn paused_node_is_skipped(wait: bool) {
         }
     }
     // None of the refused attempts reached the node.
-    for i in refused_at..refused_at + 200 {
+    for i in refused {
         assert!(
             !exists(&servers[0], key(i).as_str()),
             "attempt {i} was refused but took a lease on the node"
         );
     }
+}
+
+/// A call sent and then neither polled nor dropped (parked in a caller's select, say) does
+/// not make a healthy node look stalled: the next call goes out as a probe, its answer
+/// settles the parked one, and the node is called as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_call_does_not_make_a_healthy_node_look_stalled() {
+    let servers = start(1);
+    let node = RedisBackend::connect_with(&servers[0].url(), redis_opts())
+        .await
+        .expect("connect");
+    let limit = ms(50);
+    let terms = NodeTerms::new().fail_fast(true).unanswered_limit(limit);
+    let attempt = |name: String| {
+        let node = node.clone();
+        async move {
+            let key = LeaseKey::new("parked:", &name);
+            node.try_acquire_node(&key, &Token::random(), secs(30), Waiting::No, terms)
+                .await
+        }
+    };
+    let mut parked = Box::pin(attempt("parked".into()));
+    assert!(
+        futures::poll!(parked.as_mut()).is_pending(),
+        "sent, not yet answered"
+    );
+    // Older than the limit now (the condition is time itself).
+    tokio::time::sleep(limit * 3).await;
+    for i in 0..50 {
+        let reply = within("an attempt", secs(5), attempt(format!("k{i}")))
+            .await
+            .unwrap_or_else(|e| panic!("attempt {i} on a healthy node: {e}"));
+        assert!(matches!(reply, Acquire::Acquired { .. }), "{reply:?}");
+    }
+    drop(parked);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 use fred::clients::SubscriberClient;
+use fred::error::ErrorKind;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
 use fred::types::config::UnresponsiveConfig;
@@ -26,8 +27,10 @@ use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
 
 mod batch;
+mod calls;
 
 use batch::Batcher;
+use calls::Calls;
 
 /// One acquire attempt, as queued for a batched script call.
 #[derive(Clone)]
@@ -233,6 +236,8 @@ struct Inner {
     pubsub: Arc<PubSub>,
     clustered: bool,
     ops: Batcher<Op, Reply>,
+    /// Script calls not yet answered (see [`calls`]).
+    calls: Calls,
 }
 
 struct Scripts {
@@ -434,6 +439,7 @@ impl RedisBackend {
                 }),
                 clustered,
                 ops: Batcher::default(),
+                calls: Calls::default(),
             }),
         })
     }
@@ -455,9 +461,21 @@ impl RedisBackend {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<R> {
-        in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
-            .await
-            .map_err(Error::backend)
+        // Numbered just before the first poll hands the call to the connection.
+        let n = self.inner.calls.sent();
+        let out = in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args)).await;
+        let answered = match &out {
+            Ok(_) => true,
+            // No answer came: the call timed out, or the connection failed or was dropped.
+            Err(e) => !matches!(
+                e.kind(),
+                ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled
+            ),
+        };
+        if answered {
+            self.inner.calls.answered(n);
+        }
+        out.map_err(Error::backend)
     }
 
     fn lease_keys(key: &LeaseKey) -> Vec<Key> {
@@ -718,11 +736,8 @@ impl RedisBackend {
                 host()
             ))));
         }
-        if let (Some(limit), Some(quiet)) = (
-            terms.get_unanswered_limit(),
-            self.inner.ops.unanswered_for(),
-        ) {
-            if quiet > limit {
+        if let Some(limit) = terms.get_unanswered_limit() {
+            if let Err(quiet) = self.inner.calls.may_send(limit) {
                 return Err(Error::backend(NotSent(format!(
                     "{} has left calls unanswered for {} ms",
                     host(),

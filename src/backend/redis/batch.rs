@@ -18,10 +18,7 @@
 //! be let go); one that gives up after that is answered into the void.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
 
 use event_listener::Event;
 use futures::channel::oneshot;
@@ -52,11 +49,6 @@ struct Shared<Req, Resp> {
 struct State<Req, Resp> {
     /// Calls out now that their callers sent themselves.
     inline: usize,
-    /// Script calls sent and not yet answered (inline calls and batches; an inline call whose
-    /// caller gave up is still counted until its answer comes).
-    unanswered: usize,
-    /// The last answer, or the call that started the current unanswered stretch.
-    since: Instant,
     queue: Vec<Waiter<Req, Resp>>,
     /// A flusher task is at work on the queue.
     flushing: bool,
@@ -75,8 +67,6 @@ impl<Req, Resp> Default for Batcher<Req, Resp> {
             state: Arc::new(Shared {
                 state: Mutex::new(State {
                     inline: 0,
-                    unanswered: 0,
-                    since: Instant::now(),
                     queue: Vec::new(),
                     flushing: false,
                 }),
@@ -98,95 +88,6 @@ struct Inline<Req, Resp> {
 impl<Req, Resp> Drop for Inline<Req, Resp> {
     fn drop(&mut self) {
         lock(&self.state).inline -= 1;
-    }
-}
-
-/// Counts one script call as sent until it is answered (or given up for good).
-struct Sent<Req, Resp> {
-    state: Arc<Shared<Req, Resp>>,
-    answered: bool,
-}
-
-impl<Req, Resp> Sent<Req, Resp> {
-    fn new(state: Arc<Shared<Req, Resp>>) -> Self {
-        {
-            let mut s = lock(&state);
-            if s.unanswered == 0 {
-                s.since = Instant::now();
-            }
-            s.unanswered += 1;
-        }
-        Sent {
-            state,
-            answered: false,
-        }
-    }
-
-    /// The call is over: answered (`Ok`) or failed.
-    fn done(mut self, answered: bool) {
-        self.answered = answered;
-    }
-}
-
-impl<Req, Resp> Drop for Sent<Req, Resp> {
-    fn drop(&mut self) {
-        let mut s = lock(&self.state);
-        s.unanswered -= 1;
-        if self.answered {
-            s.since = Instant::now();
-        }
-    }
-}
-
-/// A caller's own (inline) call. If the caller gives up before the answer, the rest of the
-/// call is handed to the crate's runtime, so the answer is still seen and counted (a node
-/// whose answers stopped must not look answered because its callers stopped waiting).
-struct Tracked<Fut, Req, Resp>
-where
-    Fut: Future<Output = Result<Vec<Resp>>> + Send + 'static,
-    Req: Send + 'static,
-    Resp: Send + 'static,
-{
-    /// Both taken when the answer is seen.
-    call: Option<Pin<Box<Fut>>>,
-    sent: Option<Sent<Req, Resp>>,
-}
-
-impl<Fut, Req, Resp> Future for Tracked<Fut, Req, Resp>
-where
-    Fut: Future<Output = Result<Vec<Resp>>> + Send + 'static,
-    Req: Send + 'static,
-    Resp: Send + 'static,
-{
-    type Output = Result<Vec<Resp>>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(call) = self.call.as_mut() else {
-            return Poll::Ready(Err(Error::backend("a call was polled after it finished")));
-        };
-        let out = std::task::ready!(call.as_mut().poll(cx));
-        self.call = None;
-        if let Some(sent) = self.sent.take() {
-            sent.done(out.is_ok());
-        }
-        Poll::Ready(out)
-    }
-}
-
-impl<Fut, Req, Resp> Drop for Tracked<Fut, Req, Resp>
-where
-    Fut: Future<Output = Result<Vec<Resp>>> + Send + 'static,
-    Req: Send + 'static,
-    Resp: Send + 'static,
-{
-    fn drop(&mut self) {
-        if let (Some(call), Some(sent)) = (self.call.take(), self.sent.take()) {
-            // Still waiting for the answer: the rest of the call goes on without the caller.
-            runtime::background().spawn(async move {
-                let answered = call.await.is_ok();
-                sent.done(answered);
-            });
-        }
     }
 }
 
@@ -245,11 +146,7 @@ where
                 let _inline = Inline {
                     state: self.state.clone(),
                 };
-                let call = Tracked {
-                    call: Some(Box::pin(send(vec![req]))),
-                    sent: Some(Sent::new(self.state.clone())),
-                };
-                return single(call.await?);
+                return single(send(vec![req]).await?);
             };
             if start {
                 let guard = Flushing {
@@ -264,14 +161,6 @@ where
                 Err(_) => continue,
             }
         }
-    }
-}
-
-impl<Req, Resp> Batcher<Req, Resp> {
-    /// How long calls sent have gone without any answer; `None` when none is out.
-    pub(super) fn unanswered_for(&self) -> Option<Duration> {
-        let s = lock(&self.state);
-        (s.unanswered > 0).then(|| s.since.elapsed())
     }
 }
 
@@ -316,8 +205,7 @@ where
                 s.queue.drain(..take).collect()
             };
             let (reqs, txs): (Vec<Req>, Vec<_>) = batch.into_iter().map(|w| (w.req, w.tx)).unzip();
-            let sent = Sent::new(guard.state.clone());
-            let mut call = Box::pin(answer(send(reqs), txs, sent));
+            let mut call = Box::pin(answer(send(reqs), txs));
             // The first poll hands the batch to the connection: batches go out in queue order.
             if futures::poll!(call.as_mut()).is_pending() {
                 in_flight.push(call);
@@ -333,15 +221,12 @@ where
 }
 
 /// Waits for one batch's call and hands out its replies (with no lock held).
-async fn answer<Req, Resp>(
+async fn answer<Resp>(
     call: impl Future<Output = Result<Vec<Resp>>>,
     txs: Vec<oneshot::Sender<Result<Resp>>>,
-    sent: Sent<Req, Resp>,
 ) {
     let count = txs.len();
-    let out = call.await;
-    sent.done(out.is_ok());
-    match out {
+    match call.await {
         Ok(resps) if resps.len() == count => {
             for (tx, resp) in txs.into_iter().zip(resps) {
                 let _ = tx.send(Ok(resp));
