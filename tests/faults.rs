@@ -236,10 +236,23 @@ async fn every_lease_is_created_with_its_ttl_in_one_step() {
         "a fresh lease carries its TTL: PTTL {left}"
     );
     assert_eq!(srv.cmd(&["SETNX", key.as_str(), "x"]).as_int(), Some(0));
-    // The fence hash is kept while the lock is held (it carries the holder's label) and
-    // expires an hour after the release (the clock floor keeps tokens increasing after
-    // it); the waiters flag is a deadline in it, so it runs out on its own too.
-    assert_eq!(pttl(&srv, &key.derived("fence")), -1, "kept while held");
+    // The fence hash outlives the lease by an hour (so a holder that crashes does not leave
+    // it forever), each extension renews that, and a release leaves it an hour (the clock
+    // floor keeps tokens increasing after it); the waiters flag is a deadline in it, so it
+    // runs out on its own too.
+    let fence_key = key.derived("fence");
+    let left = pttl(&srv, &fence_key);
+    assert!(
+        (3_600_000..=3_607_000).contains(&left),
+        "the fence hash outlives the 7 s lease by an hour: PTTL {left}"
+    );
+    srv.cmd(&["PEXPIRE", &fence_key, "1000"]);
+    guard.extend(secs(7)).await.expect("extend");
+    let left = pttl(&srv, &fence_key);
+    assert!(
+        (3_600_000..=3_607_000).contains(&left),
+        "an extension renews the fence hash's hour: PTTL {left}"
+    );
     let blocked = waiter.lock("ttl-at-once").acquire_timeout(ms(150)).await;
     assert!(matches!(blocked, Err(Error::Timeout { .. })), "{blocked:?}");
     let flag = waiters_deadline(&srv, &key).expect("a waiter registered");

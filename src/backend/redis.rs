@@ -852,7 +852,13 @@ impl Backend for RedisBackend {
         }
         let min_uptime = ms(terms.get_min_uptime());
         let calls = self.chunks(leases).into_iter().map(|idx| async move {
-            let keys: Vec<Key> = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
+            let keys: Vec<Key> = idx
+                .iter()
+                .flat_map(|&i| {
+                    let key = &leases[i].key;
+                    [Key::from(key.as_str()), key.part(Part::Fence).into()]
+                })
+                .collect();
             let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
             args.push(min_uptime.into());
             for &i in &idx {
@@ -1087,13 +1093,14 @@ impl RedisBackend {
         let calls = self.chunks(&reentrant).into_iter().map(|idx| {
             let reentrant = &reentrant;
             async move {
-                let mut keys: Vec<Key> = Vec::with_capacity(idx.len() * 3);
+                let mut keys: Vec<Key> = Vec::with_capacity(idx.len() * 4);
                 let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
                 args.push(min_uptime.into());
                 for &i in &idx {
                     let l = &reentrant[i];
                     keys.extend([
                         Key::from(l.key.as_str()),
+                        l.key.part(Part::Fence).into(),
                         l.key.part(Part::Owners).into(),
                         l.key.part(Part::Holds).into(),
                     ]);

@@ -247,6 +247,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], 'h')
+redis.call('PEXPIRE', KEYS[2], 3600000)
 local owners = redis.call('DEL', KEYS[3])
 redis.call('DEL', KEYS[5])
 redis.call('PUBLISH', ARGV[1], '1')

@@ -20,13 +20,13 @@
 -- snapshot, still hands out larger tokens) and at least the floor asked for, which is
 -- capped at the server's clock plus 2 s (a client whose clock runs fast cannot push the
 -- counter far ahead of the clocks that floor it after a restart).
--- The fence hash has no expiry while the lock is held (it carries the holder's label and the
--- token a re-sent attempt reads back), and expires an hour after a release (so a cache or job
--- key used once does not leave it forever); the clock floor keeps tokens increasing after it
+-- The fence hash outlives the lease by an hour: each grant and extension sets its TTL to the
+-- lease's plus an hour, a release to an hour (so a cache or job key used once, or a holder
+-- that crashed, does not leave it forever); the clock floor keeps tokens increasing after it
 -- is gone.
 -- Uptime comes from INFO at one-second resolution (and Redis derives it from whole
 -- seconds of wall-clock time): one second is taken off, against the server.
--- A grant costs TIME once per call, then HMGET, SET, HSET and PERSIST per lease.
+-- A grant costs TIME once per call, then HMGET, SET, HSET and PEXPIRE per lease.
 local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local now_ms = math.floor(clock / 1000)
@@ -63,7 +63,7 @@ for i = 0, #KEYS / 3 - 1 do
       if not holder then
         value = math.max(tonumber(last or '0') + 1, clock, math.min(floor, clock + 2000000))
         redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
-        redis.call('PERSIST', fence)
+        redis.call('PEXPIRE', fence, tonumber(ttl) + 3600000)
         code = 1
       elseif holder == token then
         -- Ours already: a re-sent attempt (after a reconnect, or sent again).

@@ -2,8 +2,9 @@
 -- ARGV[1] minimum uptime (ms; 0 for none): a quorum member up for less than that (it may
 -- have restarted empty) extends nothing. Uptime is rounded down to whole seconds, less one
 -- (see acquire.lua).
--- KEYS[i] lease key   ARGV[2i] its token   ARGV[2i+1] its ttl (ms)
--- Returns one 1 (extended) or 0 (not ours any more, or not counted) per key.
+-- KEYS[2i-1] lease key, KEYS[2i] its fence hash   ARGV[2i] its token   ARGV[2i+1] its ttl (ms)
+-- Returns one 1 (extended) or 0 (not ours any more, or not counted) per lease. The fence hash
+-- is kept an hour past the lease, as at the grant (see acquire.lua).
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
@@ -11,9 +12,12 @@ if min_uptime > 0 then
   counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
 end
 local out = {}
-for i = 1, #KEYS do
-  if counted and redis.call('GET', KEYS[i]) == ARGV[2 * i] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i + 1])
+for i = 1, #KEYS / 2 do
+  local lease, fence = KEYS[2 * i - 1], KEYS[2 * i]
+  if counted and redis.call('GET', lease) == ARGV[2 * i] then
+    local ttl = tonumber(ARGV[2 * i + 1])
+    redis.call('PEXPIRE', lease, ttl)
+    redis.call('PEXPIRE', fence, ttl + 3600000)
     out[i] = 1
   else
     out[i] = 0

@@ -50,8 +50,8 @@ for i = 0, #KEYS / 5 - 1 do
       local last = tonumber(redis.call('HGET', fence, 'f') or '0')
       value = math.max(last + 1, floor)
       redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
-      -- Kept while held, expires an hour after the release (see acquire.lua).
-      redis.call('PERSIST', fence)
+      -- Outlives the lease by an hour (see acquire.lua).
+      redis.call('PEXPIRE', fence, tonumber(ttl) + 3600000)
       code = 1
     else
       code = 0

@@ -4,8 +4,11 @@
 local last = tonumber(redis.call('HGET', KEYS[1], 'f') or '0')
 local want = tonumber(ARGV[1])
 if want > last then
-  -- Written back to nodes that hold the lease: kept while held, like a grant's (the
-  -- release sets the hour's expiry).
+  -- Written back to nodes that hold the lease, whose grant set the hash's expiry (the lease's
+  -- TTL plus an hour); one made here (the hash was gone) gets an hour.
   redis.call('HSET', KEYS[1], 'f', string.format('%.0f', want))
+  if redis.call('PTTL', KEYS[1]) == -1 then
+    redis.call('PEXPIRE', KEYS[1], 3600000)
+  end
 end
 return 1

@@ -46,6 +46,7 @@ if current then
     redis.call('PEXPIRE', lease, keep)
     redis.call('PEXPIRE', owners, keep)
     redis.call('PEXPIRE', holds, keep)
+    redis.call('PEXPIRE', fence, keep + 3600000)
     -- The reign's token, or more if a quorum wrote a larger one back (Redlock).
     local minted = tonumber(redis.call('HGET', holds, 'fence') or '0')
     local raised = tonumber(redis.call('HGET', fence, 'f') or '0')
@@ -63,9 +64,9 @@ end
 local last = tonumber(redis.call('HGET', fence, 'f') or '0')
 local value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
 redis.call('HSET', fence, 'f', string.format('%.0f', value))
--- Kept while held, expires an hour after the release (see acquire.lua). Reentrant reigns
--- carry no holder label: clear one a crashed plain holder may have left.
-redis.call('PERSIST', fence)
+-- Outlives the lease by an hour (see acquire.lua). Reentrant reigns carry no holder label:
+-- clear one a crashed plain holder may have left.
+redis.call('PEXPIRE', fence, ttl + 3600000)
 redis.call('HSET', fence, 'h', '')
 redis.call('DEL', owners, holds)
 redis.call('SET', lease, hold, 'PX', ttl)

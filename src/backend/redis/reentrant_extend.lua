@@ -2,8 +2,10 @@
 -- only where the lease still holds that reign's token. The TTL is never shortened (other
 -- holders of the reign may use a longer one).
 -- ARGV[1] minimum uptime (ms; 0 for none; see extend.lua)
--- KEYS[3i-2..3i] lease key, owners hash, holds hash   ARGV[2i] lease token   ARGV[2i+1] ttl
--- Returns one 1 (extended) or 0 (not this reign's any more, or not counted) per lease.
+-- KEYS[4i-3..4i] lease key, fence hash, owners hash, holds hash   ARGV[2i] lease token
+-- ARGV[2i+1] ttl
+-- Returns one 1 (extended) or 0 (not this reign's any more, or not counted) per lease. The
+-- fence hash is kept an hour past the lease (see acquire.lua).
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
@@ -11,14 +13,15 @@ if min_uptime > 0 then
   counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
 end
 local out = {}
-for i = 1, #KEYS / 3 do
-  local lease, owners, holds = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+for i = 1, #KEYS / 4 do
+  local lease, fence, owners, holds = KEYS[4 * i - 3], KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i]
   local token = ARGV[2 * i]
   if counted and redis.call('GET', lease) == token and redis.call('HGET', holds, 'token') == token then
     local keep = math.max(redis.call('PTTL', lease), tonumber(ARGV[2 * i + 1]))
     redis.call('PEXPIRE', lease, keep)
     redis.call('PEXPIRE', owners, keep)
     redis.call('PEXPIRE', holds, keep)
+    redis.call('PEXPIRE', fence, keep + 3600000)
     out[i] = 1
   else
     out[i] = 0
