@@ -14,6 +14,7 @@ use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
 use fred::types::config::UnresponsiveConfig;
 use fred::types::scripts::Script;
+use fred::types::InfoKind;
 use fred::types::{FromValue, Key, Value};
 
 use crate::backend::{
@@ -416,6 +417,10 @@ impl RedisBackend {
         .await;
         if wait {
             in_tokio(client.init()).await.map_err(Error::backend)?;
+            let info: String = in_tokio(client.info(Some(InfoKind::Server)))
+                .await
+                .map_err(Error::backend)?;
+            check_version(&info)?;
             // Also here, so that they are there when `connect` returns. try_join_all keeps
             // the loads on the heap: fred's futures are large.
             let all = scripts.all();
@@ -788,6 +793,22 @@ fn phases<'a>(ops: impl Iterator<Item = (Kind, &'a str)>) -> Vec<(Kind, Vec<usiz
         last.insert(key, phase);
     }
     phases
+}
+
+/// Refuses a server older than Redis 7.0 (the scripts use `SET ... NX GET`), from its
+/// `INFO server`; a server that does not say passes (the scripts then say what fails).
+fn check_version(info: &str) -> Result<()> {
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .map(str::trim);
+    let major = version.and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+    match (version, major) {
+        (Some(v), Some(m)) if m < 7 => Err(Error::invalid(format!(
+            "redlease needs Redis 7.0 or later; the server runs Redis {v}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn ms(d: Duration) -> i64 {
@@ -1302,7 +1323,26 @@ impl Drop for Unsubscribe {
 
 #[cfg(test)]
 mod tests {
-    use super::{phases, Kind};
+    use super::{check_version, phases, Kind};
+
+    #[test]
+    fn servers_older_than_redis_7_are_refused_with_their_version() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        let Err(err) = check_version(&info("6.2.14")) else {
+            panic!("Redis 6.2.14 accepted");
+        };
+        let err = err.to_string();
+        assert!(
+            err.contains("7.0 or later") && err.contains("6.2.14"),
+            "{err}"
+        );
+        assert!(check_version(&info("7.0.15")).is_ok());
+        assert!(check_version(&info("8.2.1")).is_ok());
+        assert!(
+            check_version("# Server\r\n").is_ok(),
+            "no version: not refused"
+        );
+    }
 
     #[test]
     fn distinct_keys_make_one_phase_per_kind_and_one_key_keeps_its_order() {
