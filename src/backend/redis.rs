@@ -325,7 +325,8 @@ fn parse_url(url: &str) -> Result<Config> {
 
 impl RedisBackend {
     /// Connects with default [`RedisOptions`]. Fails with [`Error::InvalidConfig`] for a bad
-    /// URL and [`Error::Backend`] when the server does not answer within the connect timeout.
+    /// URL or a server older than Redis 7.0, and [`Error::Backend`] when the server does not
+    /// answer within the connect timeout.
     ///
     /// A URL's `user:password@` authenticates with ACL `AUTH`; `/N` selects database N.
     pub async fn connect(url: &str) -> Result<Self> {
