@@ -796,6 +796,36 @@ fn phases<'a>(ops: impl Iterator<Item = (Kind, &'a str)>) -> Vec<(Kind, Vec<usiz
     phases
 }
 
+/// How often, at the latest, an extended lease's fence hash gets its hour renewed: well
+/// inside the hour a grant or renewal gives it.
+const FENCE_RENEWAL: Duration = Duration::from_secs(30 * 60);
+
+/// Milliseconds on the process's monotonic clock, for [`fence_due`].
+fn fence_clock() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    u64::try_from(
+        EPOCH
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_millis(),
+    )
+    .unwrap_or(u64::MAX)
+}
+
+/// Whether an extension of `ttl` made at `now` (ms, [`fence_clock`]) also renews the fence
+/// hash of `key`. Time is cut into slots of `ttl`, and a lease renews in one slot of every
+/// `k = FENCE_RENEWAL / ttl`, picked by its key. A lease kept alive is extended at least once
+/// per slot (each extension comes before the last one runs out), so it renews at least once
+/// per `k` slots, that is every `FENCE_RENEWAL`; at a 30 s TTL, one extension in 60 does.
+fn fence_due(key: &str, ttl: Duration, now: u64) -> bool {
+    use std::hash::{Hash, Hasher};
+    let slot_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+    let k = (u64::try_from(FENCE_RENEWAL.as_millis()).unwrap_or(u64::MAX) / slot_ms).max(1);
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    (now / slot_ms) % k == h.finish() % k
+}
+
 /// Refuses a server older than Redis 7.0 (the scripts use `SET ... NX GET`), from its
 /// `INFO server`; a server that does not say passes (the scripts then say what fails).
 fn check_version(info: &str) -> Result<()> {
@@ -873,19 +903,24 @@ impl Backend for RedisBackend {
             return self.extend_mixed(leases, terms).await;
         }
         let min_uptime = ms(terms.get_min_uptime());
+        let now = fence_clock();
         let calls = self.chunks(leases).into_iter().map(|idx| async move {
-            let keys: Vec<Key> = idx
-                .iter()
-                .flat_map(|&i| {
-                    let key = &leases[i].key;
-                    [Key::from(key.as_str()), key.part(Part::Fence).into()]
-                })
-                .collect();
-            let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
+            let mut keys: Vec<Key> = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
+            let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 3 + 2);
             args.push(min_uptime.into());
+            args.push(i64::try_from(idx.len()).unwrap_or(i64::MAX).into());
             for &i in &idx {
-                args.push(leases[i].token.as_str().into());
-                args.push(ms(leases[i].ttl).into());
+                let lease = &leases[i];
+                args.push(lease.token.as_str().into());
+                args.push(ms(lease.ttl).into());
+                // The fence hash's hour is renewed now and then, not at every extension.
+                let renew = if fence_due(lease.key.as_str(), lease.ttl, now) {
+                    keys.push(lease.key.part(Part::Fence).into());
+                    i64::try_from(keys.len()).unwrap_or(0)
+                } else {
+                    0
+                };
+                args.push(renew.into());
             }
             let reply: Vec<i64> = self.eval(&self.inner.scripts.extend, keys, args).await?;
             if reply.len() != idx.len() {
@@ -1324,7 +1359,43 @@ impl Drop for Unsubscribe {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_version, phases, Kind};
+    use super::{check_version, fence_due, phases, Kind, FENCE_RENEWAL};
+    use std::time::Duration;
+
+    #[test]
+    fn a_lease_extended_within_each_ttl_renews_its_fence_hash_within_the_renewal_time() {
+        for (ttl_ms, period_ms) in [
+            (30_000, 10_000),
+            (30_000, 29_999),
+            (3_000, 1_000),
+            (3_600_000, 1_200_000),
+        ] {
+            let ttl = Duration::from_millis(ttl_ms);
+            for key in ["a", "orders:42", "redlease:{x}"] {
+                let bound = FENCE_RENEWAL.as_millis() as u64 + ttl_ms;
+                let (mut last, mut now, mut renewals) = (0u64, 12_345u64, 0);
+                while now < 5 * 3_600_000 {
+                    if fence_due(key, ttl, now) {
+                        assert!(
+                            now - last <= bound,
+                            "{key} ttl {ttl_ms}: renewed after {} ms",
+                            now - last
+                        );
+                        last = now;
+                        renewals += 1;
+                    }
+                    now += period_ms;
+                }
+                assert!(
+                    renewals >= 5,
+                    "{key} ttl {ttl_ms}: {renewals} renewals in 5 h"
+                );
+                // Not at every extension when the TTL is short.
+                let extensions = (5 * 3_600_000 - 12_345) / period_ms;
+                assert!(ttl_ms >= FENCE_RENEWAL.as_millis() as u64 || renewals * 10 < extensions);
+            }
+        }
+    }
 
     #[test]
     fn servers_older_than_redis_7_are_refused_with_their_version() {

@@ -2,9 +2,12 @@
 -- ARGV[1] minimum uptime (ms; 0 for none): a quorum member up for less than that (it may
 -- have restarted empty) extends nothing. Uptime is rounded down to whole seconds, less one
 -- (see acquire.lua).
--- KEYS[2i-1] lease key, KEYS[2i] its fence hash   ARGV[2i] its token   ARGV[2i+1] its ttl (ms)
--- Returns one 1 (extended) or 0 (not ours any more, or not counted) per lease. The fence hash
--- is kept an hour past the lease, as at the grant (see acquire.lua).
+-- ARGV[2] n, the number of leases; per lease i (1-based): ARGV[3i], ARGV[3i+1], ARGV[3i+2]:
+--   its token, its ttl (ms), and the index in KEYS of its fence hash when this extension
+--   also renews the hash's hour past the lease (0 when not: the client renews it now and
+--   then, well within the hour a grant gives it; see acquire.lua)
+-- KEYS[1..n] the lease keys, then the fence hashes being renewed.
+-- Returns one 1 (extended) or 0 (not ours any more, or not counted) per lease.
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
@@ -12,12 +15,13 @@ if min_uptime > 0 then
   counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
 end
 local out = {}
-for i = 1, #KEYS / 2 do
-  local lease, fence = KEYS[2 * i - 1], KEYS[2 * i]
-  if counted and redis.call('GET', lease) == ARGV[2 * i] then
-    local ttl = tonumber(ARGV[2 * i + 1])
+for i = 1, tonumber(ARGV[2]) do
+  local lease, token, ttl, fence = KEYS[i], ARGV[3 * i], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+  if counted and redis.call('GET', lease) == token then
     redis.call('PEXPIRE', lease, ttl)
-    redis.call('PEXPIRE', fence, ttl + 3600000)
+    if fence > 0 then
+      redis.call('PEXPIRE', KEYS[fence], ttl + 3600000)
+    end
     out[i] = 1
   else
     out[i] = 0
