@@ -6,8 +6,9 @@
 //! settles every call sent before it: a call whose caller stopped polling it, or dropped it,
 //! needs nobody to watch for its answer. (Calls numbered at the same moment on two threads
 //! may reach the connection in the other order; that settles a call a moment early, never
-//! holds one back.) While the oldest unanswered call is older than the limit, one call per
-//! limit still goes out as a probe: its answer settles everything before it.
+//! holds one back; so does a cluster, whose servers each answer in their own order.) While
+//! the oldest unanswered call is older than the limit, one call per limit still goes out as
+//! a probe: its answer settles everything before it.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
