@@ -64,7 +64,6 @@ pub struct NodeTerms {
     fence_floor: u64,
     min_uptime: Duration,
     fail_fast: bool,
-    unanswered_limit: Option<Duration>,
 }
 
 impl NodeTerms {
@@ -74,7 +73,6 @@ impl NodeTerms {
             fence_floor: 0,
             min_uptime: Duration::ZERO,
             fail_fast: false,
-            unanswered_limit: None,
         }
     }
 
@@ -100,27 +98,6 @@ impl NodeTerms {
         self
     }
 
-    /// With [`fail_fast`](Self::fail_fast): also fail at once, without sending, while calls
-    /// already sent to the node have had no answer for longer than `d` (a paused or wedged
-    /// server whose connection still looks up). Calls that would only queue behind the
-    /// unanswered ones are not made, so nothing piles up for the node, and nothing needs
-    /// cleaning up there when it comes back. One call per `d` still goes out as a probe: the
-    /// node answers the calls of a connection in order, so the probe's answer settles every
-    /// call before it (also those whose callers stopped waiting), and the node is called as
-    /// usual again.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let terms = redlease::NodeTerms::new()
-    ///     .fail_fast(true)
-    ///     .unanswered_limit(Duration::from_millis(50));
-    /// assert_eq!(terms.get_unanswered_limit(), Some(Duration::from_millis(50)));
-    /// ```
-    pub const fn unanswered_limit(mut self, d: Duration) -> Self {
-        self.unanswered_limit = Some(d);
-        self
-    }
-
     /// See [`fence_floor`](Self::fence_floor).
     pub const fn get_fence_floor(&self) -> u64 {
         self.fence_floor
@@ -134,11 +111,6 @@ impl NodeTerms {
     /// See [`fail_fast`](Self::fail_fast).
     pub const fn get_fail_fast(&self) -> bool {
         self.fail_fast
-    }
-
-    /// See [`unanswered_limit`](Self::unanswered_limit).
-    pub const fn get_unanswered_limit(&self) -> Option<Duration> {
-        self.unanswered_limit
     }
 }
 

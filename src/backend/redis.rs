@@ -9,7 +9,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 use fred::clients::SubscriberClient;
-use fred::error::ErrorKind;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
 use fred::types::config::UnresponsiveConfig;
@@ -28,10 +27,8 @@ use crate::runtime::{self, in_tokio, Rt};
 use crate::token::{LeaseKey, Part, Token};
 
 mod batch;
-mod calls;
 
 use batch::Batcher;
-use calls::Calls;
 
 /// One acquire attempt, as queued for a batched script call.
 #[derive(Clone)]
@@ -237,8 +234,6 @@ struct Inner {
     pubsub: Arc<PubSub>,
     clustered: bool,
     ops: Batcher<Op, Reply>,
-    /// Script calls not yet answered (see [`calls`]).
-    calls: Calls,
 }
 
 struct Scripts {
@@ -418,10 +413,10 @@ impl RedisBackend {
         .await;
         if wait {
             in_tokio(client.init()).await.map_err(Error::backend)?;
-            let info: String = in_tokio(client.info(Some(InfoKind::Server)))
-                .await
-                .map_err(Error::backend)?;
-            check_version(&info)?;
+            // A user whose ACL refuses INFO is not refused here: the version stays unknown.
+            if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Server))).await {
+                check_version(&info)?;
+            }
             // Also here, so that they are there when `connect` returns. try_join_all keeps
             // the loads on the heap: fred's futures are large.
             let all = scripts.all();
@@ -445,7 +440,6 @@ impl RedisBackend {
                 }),
                 clustered,
                 ops: Batcher::default(),
-                calls: Calls::default(),
             }),
         })
     }
@@ -467,21 +461,9 @@ impl RedisBackend {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<R> {
-        // Numbered just before the first poll hands the call to the connection.
-        let n = self.inner.calls.sent();
-        let out = in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args)).await;
-        let answered = match &out {
-            Ok(_) => true,
-            // No answer came: the call timed out, or the connection failed or was dropped.
-            Err(e) => !matches!(
-                e.kind(),
-                ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled
-            ),
-        };
-        if answered {
-            self.inner.calls.answered(n);
-        }
-        out.map_err(Error::backend)
+        in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
+            .await
+            .map_err(Error::backend)
     }
 
     fn lease_keys(key: &LeaseKey) -> Vec<Key> {
@@ -723,33 +705,18 @@ impl RedisBackend {
     /// Fails at once when the connection is down and the caller asked to (a quorum member
     /// that does not answer now is better skipped than waited for).
     fn check_connected(&self, terms: NodeTerms) -> Result<()> {
-        if !terms.get_fail_fast() {
-            return Ok(());
-        }
-        let host = || {
-            self.inner
-                .client
-                .client_config()
-                .server
-                .hosts()
-                .first()
-                .map(|h| format!("{}:{}", h.host, h.port))
-                .unwrap_or_default()
-        };
-        if !self.inner.client.is_connected() {
+        if terms.get_fail_fast() && !self.inner.client.is_connected() {
             return Err(Error::backend(NotSent(format!(
                 "not connected to {} (reconnecting)",
-                host()
+                self.inner
+                    .client
+                    .client_config()
+                    .server
+                    .hosts()
+                    .first()
+                    .map(|h| format!("{}:{}", h.host, h.port))
+                    .unwrap_or_default()
             ))));
-        }
-        if let Some(limit) = terms.get_unanswered_limit() {
-            if let Err(quiet) = self.inner.calls.may_send(limit) {
-                return Err(Error::backend(NotSent(format!(
-                    "{} has left calls unanswered for {} ms",
-                    host(),
-                    quiet.as_millis()
-                ))));
-            }
         }
         Ok(())
     }

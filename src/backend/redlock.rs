@@ -427,9 +427,7 @@ impl Redlock {
     /// The node terms for leases of at most `longest_ttl`; refuses a TTL above `max_lease`,
     /// which other clients rely on to know when a restarted node may count again.
     fn terms(&self, longest_ttl: Duration) -> Result<NodeTerms> {
-        let terms = NodeTerms::new()
-            .fail_fast(true)
-            .unanswered_limit(self.options.node_timeout);
+        let terms = NodeTerms::new().fail_fast(true);
         if !self.options.restart_guard {
             return Ok(terms);
         }
