@@ -272,6 +272,29 @@ async fn every_lease_is_created_with_its_ttl_in_one_step() {
     );
 }
 
+/// A held lock's fence hash that is gone (evicted under a `volatile-*` policy, deleted by
+/// hand) and made again by a waiter's flag still expires, an hour past the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_hash_made_again_by_a_waiter_still_expires() {
+    let srv = RedisServer::start();
+    let holder = manager(&srv, LockOptions::new().ttl(secs(7))).await;
+    let waiter = manager(&srv, LockOptions::new()).await;
+    let lock = holder.lock("gone");
+    let key = lock.key().clone();
+    let guard = lock.acquire().await.expect("acquire");
+    let fence = key.derived("fence");
+    srv.cmd(&["DEL", &fence]);
+    let blocked = waiter.lock("gone").acquire_timeout(ms(150)).await;
+    assert!(matches!(blocked, Err(Error::Timeout { .. })), "{blocked:?}");
+    assert!(waiters_deadline(&srv, &key).is_some(), "the waiter's flag");
+    let left = pttl(&srv, &fence);
+    assert!(
+        (3_590_000..=3_607_000).contains(&left),
+        "the remade fence hash expires an hour past the lease: PTTL {left}"
+    );
+    guard.release().await.expect("release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() {
     let srv = RedisServer::start();

@@ -70,10 +70,14 @@ for i = 0, #KEYS / 3 - 1 do
         redis.call('PEXPIRE', lease, ttl)
         code, value = 1, tonumber(last or '0')
       else
+        code, value = 0, redis.call('PTTL', lease)
         if flag ~= '0' then
           redis.call('HSET', fence, 'w', string.format('%.0f', now_ms + tonumber(flag)))
+          if redis.call('PTTL', fence) == -1 then
+            -- The hash was gone (evicted, deleted) and this HSET made it: it must expire.
+            redis.call('PEXPIRE', fence, math.max(value, 0) + 3600000)
+          end
         end
-        code, value = 0, redis.call('PTTL', lease)
       end
     end
   end

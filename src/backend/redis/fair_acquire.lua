@@ -69,9 +69,10 @@ for i = 0, #KEYS / 5 - 1 do
         redis.call('PEXPIRE', timeouts, keep)
         -- Tells releases until when to look for a queue head to wake (see release.lua).
         redis.call('HSET', fence, 'q', string.format('%.0f', now + keep))
-        if free and redis.call('PTTL', fence) == -1 then
-          -- Not held, so the hash must expire (it may have just been made by the HSET).
-          redis.call('PEXPIRE', fence, 3600000)
+        if redis.call('PTTL', fence) == -1 then
+          -- The hash was gone and this HSET made it: it must expire, an hour past the lease
+          -- if one is held (see acquire.lua).
+          redis.call('PEXPIRE', fence, math.max(redis.call('PTTL', lease), 0) + 3600000)
         end
       end
       if free and head and head ~= token then

@@ -54,6 +54,10 @@ if current then
   end
   if flag ~= '0' then
     redis.call('HSET', fence, 'w', string.format('%.0f', now_ms + tonumber(flag)))
+    if redis.call('PTTL', fence) == -1 then
+      -- The hash was gone and this HSET made it: it must expire (see acquire.lua).
+      redis.call('PEXPIRE', fence, math.max(redis.call('PTTL', lease), 0) + 3600000)
+    end
   end
   return {0, redis.call('PTTL', lease)}
 end

@@ -64,12 +64,12 @@ for i = 0, #KEYS / 5 - 1 do
   else
     out[i + 1] = 0
   end
-  if tombstone > 0 and redis.call('EXISTS', lease) == 0 then
-    -- Not held: the fence hash must keep `a` as long as the tombstone (it may have just been
-    -- made by the HSET above, with no expiry, or expire sooner).
+  if tombstone > 0 then
+    -- The fence hash must keep `a` as long as the tombstone, and must expire: the HSET
+    -- above made it if it was gone (an hour past the lease, if one is held, is longer).
     local left = redis.call('PTTL', fence)
     if left == -1 then
-      redis.call('PEXPIRE', fence, math.max(3600000, tombstone))
+      redis.call('PEXPIRE', fence, math.max(redis.call('PTTL', lease), 0) + 3600000)
     elseif left < tombstone then
       redis.call('PEXPIRE', fence, tombstone)
     end
