@@ -16,11 +16,12 @@ if min_uptime > 0 then
 end
 local out = {}
 for i = 1, tonumber(ARGV[2]) do
-  local lease, token, ttl, fence = KEYS[i], ARGV[3 * i], tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+  -- (Strings as given: a Lua number passed to Redis is formatted as a double, which costs.)
+  local lease, token, ttl, fence = KEYS[i], ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
   if counted and redis.call('GET', lease) == token then
     redis.call('PEXPIRE', lease, ttl)
-    if fence > 0 then
-      redis.call('PEXPIRE', KEYS[fence], ttl + 3600000)
+    if fence ~= '0' then
+      redis.call('PEXPIRE', KEYS[tonumber(fence)], tonumber(ttl) + 3600000)
     end
     out[i] = 1
   else
