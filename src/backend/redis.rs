@@ -489,7 +489,7 @@ impl RedisBackend {
     /// Sends fair attempts as one script call; one reply per attempt, in order.
     async fn fair_batch(self, reqs: Vec<FairReq>) -> Result<Vec<Acquire>> {
         let mut keys: Vec<Key> = Vec::with_capacity(reqs.len() * 5);
-        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 5);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 6);
         for r in &reqs {
             keys.extend([
                 r.key.as_str().into(),
@@ -506,6 +506,7 @@ impl RedisBackend {
                 expire.into(),
                 r.key.part(Part::Handoff).into(),
                 r.token.label().unwrap_or_default().into(),
+                fence_ttl(r.ttl).into(),
             ]);
         }
         let reply: Vec<i64> = self
@@ -551,7 +552,7 @@ impl RedisBackend {
     /// Sends acquire attempts as one script call; one reply per attempt, in order.
     async fn acquire_batch(self, reqs: Vec<AcquireReq>) -> Result<Vec<Acquire>> {
         let mut keys = Vec::with_capacity(reqs.len() * 3);
-        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 7);
+        let mut args: Vec<Value> = Vec::with_capacity(reqs.len() * 8);
         for r in &reqs {
             keys.extend(Self::lease_keys(&r.key));
             // The waiters flag outlives the waiter's next re-check, so a release in between
@@ -570,6 +571,7 @@ impl RedisBackend {
                 r.terms.get_fence_floor().to_string().into(),
                 ms(r.terms.get_min_uptime()).into(),
                 r.token.label().unwrap_or_default().into(),
+                fence_ttl(r.ttl).into(),
             ]);
         }
         let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
@@ -761,6 +763,11 @@ fn phases<'a>(ops: impl Iterator<Item = (Kind, &'a str)>) -> Vec<(Kind, Vec<usiz
         last.insert(key, phase);
     }
     phases
+}
+
+/// The fence hash's TTL when a lease of `ttl` is granted: an hour past the lease.
+fn fence_ttl(ttl: Duration) -> i64 {
+    ms(ttl).saturating_add(3_600_000)
 }
 
 /// How often, at the latest, an extended lease's fence hash gets its hour renewed: well

@@ -6,12 +6,14 @@
 --   h = holder label ('' for none), w = until when (server ms) plain waiters want a message
 --   on release, q = until when (server ms) the fair queue may hold waiters (fair_acquire.lua),
 --   a = until when (server ms) some token of this key is barred (release.lua)
--- ARGV[7i+1..7i+7]:
+-- ARGV[8i+1..8i+8]:
 --   token, ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
 --   1 for a waiting acquire's first attempt (it yields to registered waiters),
 --   fence floor (a quorum's proposed token; 0 for none),
 --   minimum uptime (ms; 0 for none: see below),
---   holder label (public description, '' for none; kept as the fence hash's `h` while held)
+--   holder label (public description, '' for none; kept as the fence hash's `h` while held),
+--   the fence hash's TTL on a grant (ms: the lease's plus an hour; given by the client, since a
+--   Lua number handed to Redis is formatted as a double, which costs on this hot path)
 -- Returns per lease a pair: {1, fencing token} granted, {0, pttl} held (or yielded to
 -- registered waiters), or {2, ms to go} when this server has been up for less than the
 -- minimum uptime asked (a quorum member that may have restarted empty grants nothing).
@@ -34,9 +36,9 @@ local uptime
 local out = {}
 for i = 0, #KEYS / 3 - 1 do
   local lease, fence, abandoned = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-  local token, ttl, flag, arriving = ARGV[7 * i + 1], ARGV[7 * i + 2], ARGV[7 * i + 3], ARGV[7 * i + 4]
-  local floor, min_uptime = tonumber(ARGV[7 * i + 5]), tonumber(ARGV[7 * i + 6])
-  local label = ARGV[7 * i + 7]
+  local token, ttl, flag, arriving = ARGV[8 * i + 1], ARGV[8 * i + 2], ARGV[8 * i + 3], ARGV[8 * i + 4]
+  local floor, min_uptime = tonumber(ARGV[8 * i + 5]), tonumber(ARGV[8 * i + 6])
+  local label, fence_ttl = ARGV[8 * i + 7], ARGV[8 * i + 8]
   if min_uptime > 0 and not uptime then
     local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
     uptime = 1000 * math.max((s or 0) - 1, 0)
@@ -63,7 +65,7 @@ for i = 0, #KEYS / 3 - 1 do
       if not holder then
         value = math.max(tonumber(last or '0') + 1, clock, math.min(floor, clock + 2000000))
         redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
-        redis.call('PEXPIRE', fence, tonumber(ttl) + 3600000)
+        redis.call('PEXPIRE', fence, fence_ttl)
         code = 1
       elseif holder == token then
         -- Ours already: a re-sent attempt (after a reconnect, or sent again).

@@ -3,9 +3,10 @@
 --   lease key, fence hash (fields: see acquire.lua), abandoned tokens (see release.lua),
 --   queue (list of waiting tokens, oldest first), timeouts (sorted set: token -> deadline,
 --   server time in ms)
--- ARGV[5i+1..5i+5]:
+-- ARGV[6i+1..6i+6]:
 --   token, ttl (ms), waiter expiry (ms; 0 for a single attempt, which never joins the queue),
---   hand-off channel, holder label ('' for none; see acquire.lua)
+--   hand-off channel, holder label ('' for none; see acquire.lua), the fence hash's TTL on a
+--   grant (ms; see acquire.lua)
 -- Returns per attempt a pair: {1, fencing token} granted, or {0, n} not granted, where n is
 -- how long until a re-check is worth it: the holder's PTTL, or, when the lease is free and
 -- another waiter is at the head, that waiter's time left (-1 when unknown).
@@ -21,8 +22,8 @@ local out = {}
 for i = 0, #KEYS / 5 - 1 do
   local lease, fence, abandoned = KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3]
   local queue, timeouts = KEYS[5 * i + 4], KEYS[5 * i + 5]
-  local token, ttl, expire, channel, label =
-    ARGV[5 * i + 1], ARGV[5 * i + 2], tonumber(ARGV[5 * i + 3]), ARGV[5 * i + 4], ARGV[5 * i + 5]
+  local token, ttl, expire, channel, label, fence_ttl = ARGV[6 * i + 1], ARGV[6 * i + 2],
+    tonumber(ARGV[6 * i + 3]), ARGV[6 * i + 4], ARGV[6 * i + 5], ARGV[6 * i + 6]
   local code, value
   if redis.call('GET', lease) == token then
     -- Ours already: a re-sent attempt (after a reconnect).
@@ -51,7 +52,7 @@ for i = 0, #KEYS / 5 - 1 do
       value = math.max(last + 1, floor)
       redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
       -- Outlives the lease by an hour (see acquire.lua).
-      redis.call('PEXPIRE', fence, tonumber(ttl) + 3600000)
+      redis.call('PEXPIRE', fence, fence_ttl)
       code = 1
     else
       code = 0

@@ -40,7 +40,7 @@ if current and redis.call('HGET', holds, 'token') == current
     redis.call('DEL', lease, owners, holds)
     local seen = redis.call('HMGET', fence, 'w', 'q')
     redis.call('HSET', fence, 'r', hold, 'h', '')
-    redis.call('PEXPIRE', fence, 3600000)
+    redis.call('PEXPIRE', fence, '3600000')
     if seen[1] and tonumber(seen[1]) > now() then
       redis.call('PUBLISH', channel, '1')
     end

@@ -50,7 +50,7 @@ for i = 0, #KEYS / 5 - 1 do
     -- Remember the released token, so a release re-sent after a reconnect still says "ours";
     -- the holder's label goes with the lease.
     redis.call('HSET', fence, 'r', token, 'h', '')
-    redis.call('PEXPIRE', fence, 3600000)
+    redis.call('PEXPIRE', fence, '3600000')
     -- (The clock is read only when one of the two is there.)
     if seen[1] and tonumber(seen[1]) > now() then
       redis.call('PUBLISH', channel, '1')
