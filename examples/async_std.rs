@@ -22,7 +22,8 @@ use redlease::{LockManager, LockOptions};
 fn main() -> redlease::Result<()> {
     async_std::task::block_on(async {
         let backend = common::redis_or_memory().await?;
-        let locks = LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
+        let locks =
+            LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
 
         // Two tasks on async-std's executor take the same lock, one after the other.
         let tasks: Vec<_> = (1..=2)

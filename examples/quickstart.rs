@@ -16,7 +16,7 @@ use redlease::{LockManager, LockOptions};
 #[tokio::main]
 async fn main() -> redlease::Result<()> {
     let backend = common::redis_or_memory().await?;
-    let locks = LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
+    let locks = LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
 
     let mut workers = Vec::new();
     for worker in 1..=2 {

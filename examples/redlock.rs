@@ -34,7 +34,7 @@ async fn main() -> redlease::Result<()> {
         let urls: Vec<&str> = urls.split(',').map(str::trim).collect();
         let redlock = Redlock::connect_with(&urls, redis, options).await?;
         println!("Redlock over {} given servers", redlock.nodes());
-        return take_and_release(Arc::new(redlock)).await;
+        return take_and_release(redlock).await;
     }
 
     let mut servers = match Servers::start(5) {
@@ -43,11 +43,12 @@ async fn main() -> redlease::Result<()> {
             println!("could not start redis-server ({why});");
             println!("running on five in-process stores instead (same algorithm, one process)");
             let nodes = (0..5).map(|_| MemoryBackend::new());
-            return take_and_release(Arc::new(Redlock::with_options(nodes, options)?)).await;
+            return take_and_release(Redlock::with_options(nodes, options)?).await;
         }
     };
     let urls = servers.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    // Shared by the two managers below: an `Arc` of a backend is a backend too.
     let redlock = Arc::new(Redlock::connect_with(&urls, redis, options).await?);
     println!(
         "Redlock over {} local servers, quorum {}",
@@ -57,7 +58,7 @@ async fn main() -> redlease::Result<()> {
     println!("the servers just started: they count once they have been up for {TTL:?} (the restart guard)");
     take_and_release(redlock.clone()).await?;
 
-    let locks = LockManager::shared(redlock.clone(), LockOptions::new().ttl(TTL))?;
+    let locks = LockManager::with_options(redlock, LockOptions::new().ttl(TTL))?;
     let lock = locks.lock("reports:nightly");
 
     servers.signal(0, "STOP");
@@ -91,8 +92,8 @@ async fn main() -> redlease::Result<()> {
 
 /// Takes a lock (waiting for the nodes to count, if they just started), shows its fencing
 /// token, and releases it.
-async fn take_and_release(redlock: Arc<dyn Backend>) -> redlease::Result<()> {
-    let locks = LockManager::shared(redlock, LockOptions::new().ttl(TTL))?;
+async fn take_and_release(redlock: impl Backend) -> redlease::Result<()> {
+    let locks = LockManager::with_options(redlock, LockOptions::new().ttl(TTL))?;
     let began = Instant::now();
     let guard = locks.lock("reports:nightly").acquire().await?;
     println!(

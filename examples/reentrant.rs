@@ -12,15 +12,15 @@ mod common;
 
 use std::time::Duration;
 
-use redlease::{LockManager, LockOptions, Owner, ReentrantLock};
+use redlease::{Lock, LockGuard, LockManager, LockOptions, Owner};
 
 /// Moves money between accounts under the ledger lock, and writes an audit line, which takes
 /// the ledger lock too: fine, it is the same owner.
-async fn transfer(ledger: &ReentrantLock, amount: u32) -> redlease::Result<()> {
+async fn transfer(ledger: &Lock, amount: u32) -> redlease::Result<()> {
     let guard = ledger.acquire().await?;
     println!(
         "  transfer {amount}: holds {} (fencing token {})",
-        guard.hold_count(),
+        holds(&guard),
         guard.fencing_token()
     );
     audit(ledger, amount).await?;
@@ -29,32 +29,39 @@ async fn transfer(ledger: &ReentrantLock, amount: u32) -> redlease::Result<()> {
     Ok(())
 }
 
-async fn audit(ledger: &ReentrantLock, amount: u32) -> redlease::Result<()> {
+async fn audit(ledger: &Lock, amount: u32) -> redlease::Result<()> {
     let guard = ledger.acquire().await?; // nested: no deadlock
-    println!("    audit {amount}: holds {}", guard.hold_count());
+    println!("    audit {amount}: holds {}", holds(&guard));
     guard.release().await?;
     Ok(())
+}
+
+/// How many holds the owner had when this one was counted (this one included).
+fn holds(guard: &LockGuard) -> u32 {
+    guard
+        .hold_count()
+        .expect("a reentrant lock's guard counts its holds")
 }
 
 #[tokio::main]
 async fn main() -> redlease::Result<()> {
     let backend = common::redis_or_memory().await?;
-    let locks = LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
+    let locks = LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
 
     // The owner is explicit: a task is not a thread. Here, one job; a second process working
     // on the same job could use `Owner::named("nightly-close")` and share the lock.
     let job = Owner::named("nightly-close");
-    let ledger = locks.lock("example:ledger").reentrant(&job);
+    let ledger = locks.lock("example:ledger").reentrant(&job)?;
     println!("job {job:?}:");
     transfer(&ledger, 10).await?;
 
     // Another owner is kept out while the job holds the lock, however deeply nested.
     let outer = ledger.acquire().await?;
-    let someone_else = locks.lock("example:ledger").reentrant(&Owner::random());
+    let someone_else = locks.lock("example:ledger").reentrant(&Owner::random())?;
     let attempt = someone_else.try_acquire().await?;
     println!(
         "while the job holds it, another owner gets {:?}",
-        attempt.map(|g| g.hold_count())
+        attempt.map(|g| g.fencing_token())
     );
     // A plain lock on the same name is excluded too.
     let plain = locks.lock("example:ledger").try_acquire().await?;

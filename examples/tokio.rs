@@ -17,7 +17,7 @@ use redlease::{LockManager, LockOptions};
 #[tokio::main]
 async fn main() -> redlease::Result<()> {
     let backend = common::redis_or_memory().await?;
-    let locks = LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
+    let locks = LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(5)))?;
 
     // Two tasks on tokio's executor take the same lock, one after the other.
     let mut tasks = Vec::new();

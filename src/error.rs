@@ -29,6 +29,11 @@ pub enum Error {
     /// Bad input: the message says what was wrong. Never retried.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// The store cannot serve what was asked of it (a fair lock over a store without fair
+    /// queues, say): refused when the lock is made, never at its first acquire. The message
+    /// names the feature and the store.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// The wait for the lock ran past its time limit; no lease is left behind.
     #[error("timed out after {waited:?} waiting for the lock")]
     Timeout {

@@ -1,55 +1,68 @@
-//! `LockGuard`: a held lease, released when dropped.
+//! `LockGuard`: a held claim of any kind, given back when dropped; and [`PendingClaim`],
+//! the one clean-up behind drop release, cancelled acquires and cancelled releases.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures::future::BoxFuture;
+use event_listener::Event;
+use futures::future::{self, BoxFuture};
 use tracing::Instrument;
 
-use crate::backend::{Backend, Lease};
+use crate::backend::{Backend, Claim, ClaimKind, NodeTerms, Release};
 use crate::error::{Error, Result};
-use crate::lock::{Lock, ManagerInner};
-use crate::options::check_ttl;
+use crate::options::{check_ttl, MIN_TTL};
 use crate::runtime::Rt;
-use crate::token::{LeaseKey, Token};
-use crate::watchdog::LeaseState;
+use crate::token::{Owner, Token};
+use crate::watchdog::Kept;
 
-/// A compare-and-delete that runs in the background when dropped while armed: the one
-/// mechanism behind drop release, cancelled acquires and cancelled releases.
-pub(crate) struct ReleaseOnDrop {
+/// A claim that is given back in the background when dropped while armed: released if its
+/// lease token is known (a guard's), abandoned if not (an attempt whose outcome is unknown,
+/// or a fair waiter standing in the queue).
+pub(crate) struct PendingClaim {
     pub(crate) backend: Arc<dyn Backend>,
-    pub(crate) key: LeaseKey,
-    pub(crate) token: Token,
+    pub(crate) claim: Claim,
+    /// The lease token, once granted.
+    pub(crate) lease: Option<Token>,
     pub(crate) rt: Rt,
     pub(crate) armed: bool,
-    /// The acquire was confirmed (a guard exists). Until then the attempt's outcome is
-    /// unknown and the clean-up must [`abandon`](Backend::abandon) the token.
-    pub(crate) confirmed: bool,
 }
 
-impl Drop for ReleaseOnDrop {
+impl PendingClaim {
+    pub(crate) fn new(backend: Arc<dyn Backend>, claim: Claim) -> Self {
+        PendingClaim {
+            backend,
+            claim,
+            lease: None,
+            rt: Rt::current(),
+            armed: false,
+        }
+    }
+}
+
+impl Drop for PendingClaim {
     fn drop(&mut self) {
         if !self.armed {
             return;
         }
-        let (backend, key, token) = (self.backend.clone(), self.key.clone(), self.token.clone());
-        let confirmed = self.confirmed;
+        let (backend, claim, lease) = (self.backend.clone(), self.claim.clone(), self.lease.take());
         self.rt.spawn(async move {
-            let released = if confirmed {
-                backend.release(&key, &token).await
-            } else {
-                backend.abandon(&key, &token).await
+            let confirmed = lease.is_some();
+            let how = match &lease {
+                Some(lease) => Release::Confirmed { lease },
+                None => Release::Abandon,
             };
-            match released {
-                Ok(released) => {
+            let key = &claim.key;
+            match backend.release(&claim, how).await {
+                Ok(left) => {
                     if confirmed {
-                        crate::telemetry::release(if released { "released" } else { "not_held" });
+                        crate::telemetry::release(if left.is_some() { "released" } else { "not_held" });
                     }
-                    tracing::debug!(%key, released, "background release");
+                    tracing::debug!(%key, ?left, "background release");
                 }
                 Err(e) => {
                     if confirmed {
@@ -62,15 +75,17 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-/// A held lock. Dropping it releases the lease in the background (never blocking, never
-/// panicking; with no runtime left to run the release, the TTL frees the lock).
+/// A held lock, of any kind (plain, fair, a reentrant hold). Dropping it gives the claim back
+/// in the background (never blocking, never panicking; with no runtime left to run the
+/// release, the TTL frees the lock).
 ///
-/// While the guard lives, the manager's watchdog extends the lease. If the lease can no
-/// longer be guaranteed (an extension was refused, or its deadline passed without a
-/// confirmed extension, e.g. because Redis was unreachable), the guard is *lost*:
-/// [`is_lost`](Self::is_lost) turns true and [`lost`](Self::lost) resolves. Stop touching the
-/// protected resource then, and pass [`fencing_token`](Self::fencing_token) with every write
-/// so the resource itself can refuse a stale holder.
+/// While the guard lives, the manager's watchdog extends the lease (one registration per
+/// lease, however many reentrant holds share it). If the lease can no longer be guaranteed
+/// (an extension was refused, or its deadline passed without a confirmed extension, e.g.
+/// because Redis was unreachable), the guard is *lost*: [`is_lost`](Self::is_lost) turns true
+/// and [`lost`](Self::lost) resolves, for every guard of that lease in this manager. Stop
+/// touching the protected resource then, and pass [`fencing_token`](Self::fencing_token)
+/// with every write so the resource itself can refuse a stale holder.
 ///
 /// The guard is `Send + 'static`: move it into a spawned task freely.
 ///
@@ -87,16 +102,18 @@ impl Drop for ReleaseOnDrop {
 /// ```
 #[must_use = "if unused the lock is released at once"]
 pub struct LockGuard {
-    held: Option<Held>,
+    /// Boxed: a guard is moved around by its holder, and kept small.
+    held: Option<Box<Held>>,
 }
 
 struct Held {
-    manager: Arc<ManagerInner>,
     name: Arc<str>,
     fence: u64,
-    state: Arc<LeaseState>,
-    watch: Option<u64>,
-    release: ReleaseOnDrop,
+    hold_count: Option<u32>,
+    kept: Arc<Kept>,
+    /// Set when this guard ends, so its `lost()` resolves then.
+    done: Arc<Done>,
+    release: PendingClaim,
     /// When the winning attempt was sent, for the hold-time metric.
     since: Instant,
 }
@@ -104,11 +121,32 @@ struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         crate::telemetry::held(self.since.elapsed());
-        if let Some(id) = self.watch.take() {
-            self.manager.watchdog.unregister(id);
+        self.done.set();
+    }
+}
+
+/// Set when a guard is released, forgotten or dropped.
+#[derive(Default)]
+struct Done {
+    flag: AtomicBool,
+    event: Event,
+}
+
+impl Done {
+    fn set(&self) {
+        if !self.flag.swap(true, Ordering::AcqRel) {
+            self.event.notify(usize::MAX);
         }
-        // Whoever awaits `lost()` learns that this hold is over.
-        self.state.mark_lost();
+    }
+
+    async fn wait(self: Arc<Self>) {
+        loop {
+            let listener = self.event.listen();
+            if self.flag.load(Ordering::Acquire) {
+                return;
+            }
+            listener.await;
+        }
     }
 }
 
@@ -117,61 +155,51 @@ impl fmt::Debug for LockGuard {
         let mut d = f.debug_struct("LockGuard");
         if let Some(h) = &self.held {
             d.field("name", &h.name)
+                .field("kind", &h.release.claim.kind)
                 .field("fencing_token", &h.fence)
-                .field("lost", &h.state.check_lost());
+                .field("lost", &h.kept.state.check_lost());
+            if let Some(n) = h.hold_count {
+                d.field("hold_count", &n);
+            }
         }
         d.finish()
     }
 }
 
 impl LockGuard {
+    /// The guard of a granted claim: `release` holds the claim (armed, its lease known),
+    /// `kept` the lease's state and watchdog registration.
     pub(crate) fn new(
-        lock: &Lock,
+        name: Arc<str>,
         fence: u64,
+        hold_count: Option<u32>,
+        kept: Arc<Kept>,
+        release: PendingClaim,
         sent: Instant,
-        validity: Duration,
-        mut release: ReleaseOnDrop,
     ) -> Self {
-        release.confirmed = true;
-        let manager = lock.manager.clone();
-        let name = lock.name.clone();
-        let opts = &lock.options;
-        let state = Arc::new(LeaseState::new(sent, sent + validity));
-        let watch = opts.watchdog.then(|| {
-            manager.watchdog.register(
-                release.key.clone(),
-                release.token.clone(),
-                opts.ttl,
-                opts.effective_watchdog_interval(),
-                state.clone(),
-            )
-        });
-        if let (Some(id), Some(cap)) = (watch, opts.max_hold) {
-            manager.watchdog.cap(id, sent + cap);
-        }
         LockGuard {
-            held: Some(Held {
-                manager,
+            held: Some(Box::new(Held {
                 name,
                 fence,
-                state,
-                watch,
+                hold_count,
+                kept,
+                done: Arc::default(),
                 release,
                 since: sent,
-            }),
+            })),
         }
     }
 
     fn held(&self) -> &Held {
-        // Only `release`/`forget` take `held`, and they consume the guard.
+        // Only `release` and `forget` take `held`, and they consume the guard.
         self.held
             .as_ref()
             .expect("a live guard always holds its lease")
     }
 
-    /// The lease's token, for writes fenced by this lease (the stampede cache's fill).
+    /// The claim's token, for writes fenced by this lease (the stampede cache's fill).
     pub(crate) fn token(&self) -> &Token {
-        &self.held().release.token
+        &self.held().release.claim.token
     }
 
     /// The lock's name.
@@ -179,27 +207,46 @@ impl LockGuard {
         &self.held().name
     }
 
+    /// The owner of a reentrant hold; `None` for other kinds.
+    pub fn owner(&self) -> Option<&Owner> {
+        match &self.held().release.claim.kind {
+            ClaimKind::Reentrant(owner) => Some(owner),
+            _ => None,
+        }
+    }
+
+    /// For a reentrant hold, the owner's hold count when this hold was counted, this hold
+    /// included (1 for the hold that started the reign); `None` for other kinds. Other holds
+    /// of the owner, here or in other processes, may have come and gone since;
+    /// [`release`](Self::release) returns the count left. Over [`Redlock`](crate::Redlock),
+    /// the largest count among the nodes that answered.
+    pub fn hold_count(&self) -> Option<u32> {
+        self.held().hold_count
+    }
+
     /// The fencing token of this hold: strictly greater than the token of every earlier hold
-    /// of this lock name. Send it with each write to the protected resource, and have the
-    /// resource refuse a token lower than the highest it has seen: that is what keeps a
-    /// holder that was paused past its lease from overwriting the next holder's work.
+    /// of this lock name (the holds of one reentrant reign share one). Send it with each write
+    /// to the protected resource, and have the resource refuse a token lower than the highest
+    /// it has seen: that is what keeps a holder that was paused past its lease from
+    /// overwriting the next holder's work.
     pub fn fencing_token(&self) -> u64 {
         self.held().fence
     }
 
     /// Whether the lease can no longer be guaranteed. Once true, stays true.
     pub fn is_lost(&self) -> bool {
-        self.held().state.check_lost()
+        self.held().kept.state.check_lost()
     }
 
     /// The monotonic instant until which the lease is guaranteed, as last confirmed.
     pub fn valid_until(&self) -> Instant {
-        self.held().state.deadline()
+        self.held().kept.state.deadline()
     }
 
-    /// A future that resolves when the lease is lost: at once if it is already, otherwise
-    /// on a refused extension or when the deadline passes without a confirmed extension.
-    /// It is `'static`, so it can race the critical section:
+    /// A future that resolves when the lease is lost (at once if it is already: on a refused
+    /// extension, or when the deadline passes without a confirmed extension), or when this
+    /// guard is released, forgotten or dropped. It is `'static`, so it can race the critical
+    /// section:
     ///
     /// ```
     /// use redlease::{LockManager, MemoryBackend};
@@ -216,89 +263,112 @@ impl LockGuard {
     /// # Ok::<(), redlease::Error>(()) }).unwrap();
     /// ```
     pub fn lost(&self) -> Lost {
+        let h = self.held();
+        let lost = h.kept.state.clone().lost();
+        let done = h.done.clone().wait();
         Lost {
-            inner: Box::pin(self.held().state.clone().lost()),
+            inner: Box::pin(async move {
+                future::select(Box::pin(lost), Box::pin(done)).await;
+            }),
         }
     }
 
-    /// Extends the lease to `ttl` from now (and the watchdog keeps using `ttl`).
+    /// Extends the lease to `ttl` from now (and the watchdog keeps using `ttl`). For a
+    /// reentrant hold, this extends the reign's lease, which every hold of it shares. With a
+    /// [`max_hold`](crate::LockOptions::max_hold), the extension is cut short to end at the
+    /// cap.
     ///
     /// # Errors
     ///
     /// [`Error::NotHeld`] if the lease is lost or the store no longer holds it (the guard is
-    /// then lost); [`Error::InvalidConfig`] for a ttl outside [`MIN_TTL`](crate::MIN_TTL) ..=
-    /// [`MAX_TTL`](crate::MAX_TTL); [`Error::Backend`] if
-    /// the store failed (the lease is not lost by that alone).
+    /// then lost), or if less than [`MIN_TTL`](crate::MIN_TTL) is left before the maximum
+    /// hold; [`Error::InvalidConfig`] for a ttl outside [`MIN_TTL`](crate::MIN_TTL) ..=
+    /// [`MAX_TTL`](crate::MAX_TTL); [`Error::Backend`] if the store failed (the lease is not
+    /// lost by that alone).
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         check_ttl(ttl)?;
         let h = self.held();
-        if h.state.check_lost() {
+        if h.kept.state.check_lost() {
             return Err(Error::NotHeld);
         }
+        let claim = &h.release.claim;
+        let lease = h.release.lease.as_ref().unwrap_or(&claim.token);
         let started = Instant::now();
-        let lease = Lease {
-            key: &h.release.key,
-            token: &h.release.token,
-            ttl,
-        };
-        let span = tracing::debug_span!("redlease.extend", key = %h.release.key, ?ttl);
-        let reply = h.release.backend.extend(&[lease]).instrument(span).await?;
-        match reply.first().copied().flatten() {
-            Some(validity) if h.state.confirm(started, validity) => {
-                if let Some(id) = h.watch {
-                    h.manager.watchdog.set_ttl(id, ttl);
+        let mut one = claim.lease(lease);
+        one.ttl = match h.kept.cap {
+            // Never past the maximum hold (a reentrant reign's lease is never shortened by
+            // the store, so the watchdog could not bring it back).
+            Some(cap) => {
+                let left = cap.saturating_duration_since(started);
+                if left < MIN_TTL {
+                    return Err(Error::NotHeld);
                 }
+                ttl.min(left)
+            }
+            None => ttl,
+        };
+        let span = tracing::debug_span!("redlease.extend", key = %claim.key, ?ttl);
+        let reply = h
+            .release
+            .backend
+            .extend(&[one], NodeTerms::new())
+            .instrument(span)
+            .await?;
+        match reply.first().copied().flatten() {
+            Some(validity) if h.kept.state.confirm(started, validity) => {
+                h.kept.set_ttl(ttl);
                 Ok(())
             }
             _ => {
                 // Counted as lost by the watchdog, which drops the lease at its next look.
-                tracing::warn!(key = %h.release.key, "lease lost: extension refused");
-                h.state.mark_lost();
+                tracing::warn!(key = %claim.key, "lease lost: extension refused");
+                h.kept.state.mark_lost();
                 Err(Error::NotHeld)
             }
         }
     }
 
-    /// Releases the lease now.
+    /// Releases the lock now. Returns how many holds are left on the lease: 0 when the lock
+    /// is free (always, but for a reentrant hold whose owner has other holds).
     ///
     /// # Errors
     ///
     /// [`Error::NotHeld`] if the lease was lost before (even if the key was deleted now) or
-    /// was no longer ours in the store; [`Error::Backend`] if the store failed (the TTL will
-    /// free the lock).
+    /// was no longer the claim's in the store; [`Error::Backend`] if the store failed: the
+    /// release is then tried again in the background (it is idempotent), and the TTL frees
+    /// the lock if that fails too.
     ///
     /// # Cancel safety
     ///
     /// If this future is dropped before it completes, the release still happens in the
     /// background.
-    pub async fn release(mut self) -> Result<()> {
+    pub async fn release(mut self) -> Result<u32> {
         let Some(mut held) = self.held.take() else {
             return Err(Error::NotHeld);
         };
-        if let Some(id) = held.watch.take() {
-            held.manager.watchdog.unregister(id);
-        }
-        let was_lost = held.state.check_lost();
+        let was_lost = held.kept.state.check_lost();
+        let r = &held.release;
         let span = tracing::debug_span!(
             "redlease.release",
-            key = %held.release.key,
+            key = %r.claim.key,
             outcome = tracing::field::Empty
         );
-        let released = held
-            .release
+        let lease = r.lease.as_ref().unwrap_or(&r.claim.token);
+        let released = r
             .backend
-            .release(&held.release.key, &held.release.token)
+            .release(&r.claim, Release::Confirmed { lease })
             .instrument(span.clone())
             .await;
-        // Dropping `held` below marks the lease lost, so `lost()` resolves.
-        held.release.armed = false;
+        // On an error the outcome is unknown: the claim stays armed, so dropping `held`
+        // below tries the release again in the background instead of leaking the hold.
+        held.release.armed = released.is_err();
         let outcome = match released {
-            Ok(true) if !was_lost => Ok(()),
+            Ok(Some(left)) if !was_lost => Ok(left),
             Ok(_) => Err(Error::NotHeld),
             Err(e) => Err(e),
         };
         let name = match &outcome {
-            Ok(()) => "released",
+            Ok(_) => "released",
             Err(Error::NotHeld) => "not_held",
             Err(_) => "error",
         };
@@ -307,8 +377,9 @@ impl LockGuard {
         outcome
     }
 
-    /// Gives the lease up without releasing it: the watchdog stops, and the key expires by
-    /// its TTL. Returns the fencing token.
+    /// Gives the lock up without releasing it: the watchdog stops (for a reentrant hold, once
+    /// no other guard of its reign lives here), and the key expires by its TTL. Returns the
+    /// fencing token.
     pub fn forget(mut self) -> u64 {
         match self.held.take() {
             Some(mut held) => {
@@ -320,7 +391,8 @@ impl LockGuard {
     }
 }
 
-/// Resolves when a [`LockGuard`]'s lease is lost; see [`LockGuard::lost`].
+/// Resolves when a [`LockGuard`]'s lease is lost or the guard is gone; see
+/// [`LockGuard::lost`].
 #[must_use = "futures do nothing unless awaited"]
 pub struct Lost {
     inner: BoxFuture<'static, ()>,

@@ -38,7 +38,7 @@
 //!
 //! Client clocks are never compared with each other or with the server's: expiry happens on
 //! the server, and each client measures only elapsed time on its own monotonic clock, with a
-//! 1 % + 2 ms margin for clock rate drift ([`clock_drift`]).
+//! 1 % + 2 ms margin for clock rate drift ([`backend::clock_drift`]).
 //!
 //! A single Redis server is a single point of failure, and a replicated Redis can lose a
 //! lease on failover (replication is asynchronous). Use locks for efficiency (avoid doing
@@ -63,18 +63,25 @@
 //! too. Background work shared by all users of a manager or backend (the watchdog, pub/sub
 //! handlers) runs on that private runtime, so it never stops with the runtime that started it.
 //!
-//! # Fair locks
+//! # Kinds of lock
 //!
-//! [`LockOptions::fair`] (or [`Lock::fair`]) queues waiters on the store and serves them in
-//! arrival order, across processes: a release wakes only the head of the queue, a crashed
-//! waiter is evicted after a short deadline, and one that gives up leaves at once.
+//! Every lock is acquired by the same engine and held by the same [`LockGuard`], with the
+//! same watchdog, release on drop, [`lost`](LockGuard::lost) signal, fencing tokens, maximum
+//! hold, holder label, tracing span and metrics; the kind is what the lock asks the store for:
 //!
-//! # Reentrant locks
+//! - **plain** (the default): one holder at a time;
+//! - **fair** ([`LockOptions::fair`], [`Lock::fair`]): waiters queue on the store and are
+//!   served in arrival order, across processes: a release wakes only the head of the queue, a
+//!   crashed waiter is evicted after a short deadline, and one that gives up leaves at once;
+//! - **reentrant** ([`Lock::reentrant`]): takes an explicit [`Owner`] (a task is not a
+//!   thread, so a thread id cannot be the owner): holds of the same owner nest, the store
+//!   counts them per hold (a re-sent command never counts twice), and the lease goes when the
+//!   last hold is released ([`LockGuard::hold_count`], the count left from
+//!   [`LockGuard::release`]).
 //!
-//! [`Lock::reentrant`] takes an explicit [`Owner`] (a task is not a thread, so a thread id
-//! cannot be the owner): holds of the same owner nest, the store counts them per hold (a
-//! re-sent command never counts twice), and the lease goes when the last hold is released.
-//! Plain and reentrant acquirers of one name exclude each other. See [`ReentrantLock`].
+//! Acquirers of different kinds on one name exclude each other. A store declares the kinds it
+//! can serve ([`backend::Capabilities`]); a lock of a kind its store cannot serve (a fair lock
+//! over [`Redlock`]) is refused when it is made, with [`Error::Unsupported`].
 //!
 //! # Drop and cancellation
 //!
@@ -101,46 +108,53 @@
 //! [`Lock::inspect`] tells who holds a lock ([`LockInfo`]: held, TTL left, fencing token,
 //! queue length, the holder's [label](LockOptions::holder_label)); [`LockOptions::max_hold`]
 //! caps how long the watchdog keeps one hold alive; [`RedisBackend::fenced_set`] applies a
-//! write only if its fencing token is not older than the last applied one. Acquire, extend,
+//! write only if its fencing token is not older than the last applied one.
+//! [`RedisBackend::from_client`] builds a backend over a fred client the application has.
+//!
+//! # Writing a store
+//!
+//! The [`backend`] module holds what a store implements: the [`Backend`] trait (seven
+//! methods, each taking a [`Claim`](backend::Claim)) and its types. A shared store
+//! (`Arc<dyn Backend>`, or an `Arc` of any store) is a store too, so it can be handed to
+//! [`LockManager::new`], [`Redlock::new`] and friends as it is. Acquire, extend,
 //! release and lost leases emit `tracing` spans (`redlease.acquire`, ...), and with the
 //! `metrics` feature, metrics (`redlease_acquire_total`, `redlease_hold_seconds`, ...).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // No unwrap on I/O paths: errors are returned; the few `expect`s state an invariant.
 #![warn(clippy::unwrap_used)]
 
-mod backend;
+mod acquire;
+pub mod backend;
 mod error;
-mod fair;
-mod fenced;
 mod guard;
-mod inspect;
+mod info;
 mod lock;
 mod options;
-mod reentrant;
 mod runtime;
 mod stampede;
 mod telemetry;
 mod token;
 mod watchdog;
 
-pub use backend::memory::MemoryBackend;
-pub use backend::redis::{RedisBackend, RedisOptions};
-pub use backend::redlock::{Redlock, RedlockOptions};
+/// The named futures the crate hands out.
+pub mod futures {
+    pub use crate::backend::WakeUp;
+    pub use crate::guard::Lost;
+}
+
 pub use backend::{
-    clock_drift, Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Released,
-    Subscription, Waiting,
+    Backend, FencedWrite, MemoryBackend, RedisBackend, RedisOptions, Redlock, RedlockOptions,
 };
 pub use error::{BoxError, Error, Result};
-/// The notification primitive behind [`Subscription`], re-exported for backend authors.
+/// The notification primitive behind [`Subscription`](backend::Subscription), re-exported for
+/// backend authors.
 pub use event_listener;
-pub use fenced::FencedWrite;
-pub use guard::{LockGuard, Lost};
-pub use inspect::LockInfo;
+pub use guard::LockGuard;
+pub use info::LockInfo;
 pub use lock::{Lock, LockManager};
 pub use options::{
     host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL,
 };
-pub use reentrant::{Owner, ReentrantGuard, ReentrantLock, ReentrantLost};
 pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
-pub use token::{LeaseKey, Token};
+pub use token::{LeaseKey, Owner, Token};
 pub use watchdog::WatchdogStats;

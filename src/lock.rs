@@ -1,31 +1,30 @@
-//! `LockManager` and `Lock`: naming locks and acquiring them.
+//! `LockManager` and `Lock`: naming locks, choosing their kind, and handing them to the one
+//! acquire engine.
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures::future;
-
-use crate::backend::{Acquire, Backend, Subscription, Waiting};
+use crate::acquire::{self, Engine, Target};
+use crate::backend::{Backend, ClaimKind};
 use crate::error::{Error, Result};
-use crate::guard::{LockGuard, ReleaseOnDrop};
-use crate::inspect::LockInfo;
+use crate::guard::LockGuard;
+use crate::info::LockInfo;
 use crate::options::LockOptions;
-use crate::runtime::{self, Rt};
-use crate::token::{LeaseKey, Token};
-use crate::watchdog::{Watchdog, WatchdogStats};
+use crate::token::{LeaseKey, Owner};
+use crate::watchdog::WatchdogStats;
 
-pub(crate) struct ManagerInner {
-    pub(crate) backend: Arc<dyn Backend>,
-    pub(crate) defaults: LockOptions,
-    pub(crate) watchdog: Watchdog,
+struct Shared {
+    engine: Engine,
+    defaults: LockOptions,
 }
 
 /// Hands out [`Lock`]s on one backend, with default [`LockOptions`] and one shared watchdog
 /// task that keeps every held lease alive (one batched round trip per tick, however many
 /// leases are held).
 ///
-/// Cheap to clone; clones share the backend and the watchdog.
+/// Cheap to clone; clones share the backend and the watchdog. A backend that is already
+/// shared (an `Arc<dyn Backend>`, or an `Arc` of any store) is a backend too.
 ///
 /// ```
 /// use std::time::Duration;
@@ -36,21 +35,21 @@ pub(crate) struct ManagerInner {
 ///     LockOptions::new().ttl(Duration::from_secs(10)),
 /// )?;
 /// let orders = locks.lock("orders:42");
-/// let reports = locks.lock_with("reports", |o| o.ttl(Duration::from_secs(60)));
-/// assert_eq!(reports.options().get_ttl(), Duration::from_secs(60));
+/// let reports = locks.lock_with("reports", |o| o.ttl(Duration::from_secs(60)))?;
+/// assert_eq!(reports.options().ttl, Duration::from_secs(60));
 /// # let _ = orders; Ok(()) }
 /// ```
 #[derive(Clone)]
 pub struct LockManager {
-    inner: Arc<ManagerInner>,
+    shared: Arc<Shared>,
 }
 
 impl fmt::Debug for LockManager {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockManager")
-            .field("backend", &self.inner.backend)
-            .field("defaults", &self.inner.defaults)
-            .field("watchdog", &self.inner.watchdog)
+            .field("backend", &self.shared.engine.backend)
+            .field("defaults", &self.shared.defaults)
+            .field("watchdog", &self.shared.engine.watchdog)
             .finish()
     }
 }
@@ -62,61 +61,97 @@ impl LockManager {
     }
 
     /// A manager with the given defaults, checked now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for invalid options; [`Error::Unsupported`] for fair
+    /// defaults on a store without fair locks.
     pub fn with_options(backend: impl Backend, defaults: LockOptions) -> Result<Self> {
-        Self::shared(Arc::new(backend), defaults)
-    }
-
-    /// Like [`with_options`](Self::with_options), for a backend that is already shared.
-    pub fn shared(backend: Arc<dyn Backend>, defaults: LockOptions) -> Result<Self> {
         defaults.validate()?;
-        Ok(Self::build(backend, defaults))
+        let manager = Self::build(Arc::new(backend), defaults);
+        manager.shared.engine.check(&manager.default_kind())?;
+        Ok(manager)
     }
 
     fn build(backend: Arc<dyn Backend>, defaults: LockOptions) -> Self {
         LockManager {
-            inner: Arc::new(ManagerInner {
-                watchdog: Watchdog::new(backend.clone()),
-                backend,
+            shared: Arc::new(Shared {
+                engine: Engine::new(backend),
                 defaults,
             }),
         }
+    }
+
+    fn default_kind(&self) -> ClaimKind {
+        kind_of(&self.shared.defaults)
     }
 
     /// A handle on the lock `name`, with the manager's default options. Any non-empty
     /// string is a valid name (an empty one makes `acquire` fail with
     /// [`Error::InvalidConfig`]).
     pub fn lock(&self, name: &str) -> Lock {
-        self.lock_with(name, |o| o)
-    }
-
-    /// A handle with options derived from the manager's defaults.
-    pub fn lock_with(&self, name: &str, options: impl FnOnce(LockOptions) -> LockOptions) -> Lock {
-        let options = options(self.inner.defaults.clone());
+        let options = self.shared.defaults.clone();
         Lock {
-            manager: self.inner.clone(),
+            shared: self.shared.clone(),
             key: LeaseKey::new(&options.key_prefix, name),
             name: name.into(),
+            kind: kind_of(&options),
             options,
         }
     }
 
+    /// A handle with options derived from the manager's defaults, checked now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for an empty name or invalid options; [`Error::Unsupported`]
+    /// for a fair lock on a store without fair locks.
+    pub fn lock_with(
+        &self,
+        name: &str,
+        options: impl FnOnce(LockOptions) -> LockOptions,
+    ) -> Result<Lock> {
+        let options = options(self.shared.defaults.clone());
+        options.validate()?;
+        let kind = kind_of(&options);
+        let lock = Lock {
+            shared: self.shared.clone(),
+            key: LeaseKey::new(&options.key_prefix, name),
+            name: name.into(),
+            kind,
+            options,
+        };
+        lock.check()?;
+        Ok(lock)
+    }
+
     /// The default options.
     pub fn options(&self) -> &LockOptions {
-        &self.inner.defaults
+        &self.shared.defaults
     }
 
     /// The backend.
     pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.inner.backend
+        &self.shared.engine.backend
     }
 
     /// Counters of the shared watchdog (leases kept alive, batched round trips).
     pub fn watchdog_stats(&self) -> WatchdogStats {
-        self.inner.watchdog.stats()
+        self.shared.engine.watchdog.stats()
     }
 }
 
-/// A named lock. Cheap to clone; `Send + Sync`. Acquiring returns a [`LockGuard`].
+fn kind_of(options: &LockOptions) -> ClaimKind {
+    if options.fair {
+        ClaimKind::Fair
+    } else {
+        ClaimKind::Plain
+    }
+}
+
+/// A named lock of one kind: plain (the default), [fair](Lock::fair) or
+/// [reentrant](Lock::reentrant). Cheap to clone; `Send + Sync`. Acquiring returns a
+/// [`LockGuard`], whatever the kind.
 ///
 /// ```
 /// use std::time::Duration;
@@ -133,16 +168,18 @@ impl LockManager {
 /// ```
 #[derive(Clone)]
 pub struct Lock {
-    pub(crate) manager: Arc<ManagerInner>,
-    pub(crate) name: Arc<str>,
+    shared: Arc<Shared>,
+    name: Arc<str>,
     key: LeaseKey,
-    pub(crate) options: LockOptions,
+    options: LockOptions,
+    kind: ClaimKind,
 }
 
 impl fmt::Debug for Lock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lock")
             .field("key", &self.key)
+            .field("kind", &self.kind)
             .field("options", &self.options)
             .finish()
     }
@@ -164,22 +201,104 @@ impl Lock {
         &self.options
     }
 
-    /// The same lock, served in arrival order: shorthand for
-    /// `options.fair(true)` (see [`LockOptions::fair`]).
+    /// The kind of claim this lock makes.
+    pub fn kind(&self) -> &ClaimKind {
+        &self.kind
+    }
+
+    /// The same lock, served in arrival order (see [`LockOptions::fair`]).
     ///
     /// ```
     /// use redlease::{LockManager, MemoryBackend};
     /// # futures::executor::block_on(async {
     /// let locks = LockManager::new(MemoryBackend::new());
-    /// let lock = locks.lock("queue:emails").fair();
+    /// let lock = locks.lock("queue:emails").fair()?;
     /// let held = lock.acquire().await?;
     /// assert!(lock.try_acquire().await?.is_none());
     /// held.release().await?;
     /// # Ok::<(), redlease::Error>(()) }).unwrap();
     /// ```
-    pub fn fair(mut self) -> Lock {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] if the store has no fair locks ([`Redlock`](crate::Redlock));
+    /// [`Error::InvalidConfig`] for a reentrant lock (a re-entry would have to jump the
+    /// queue).
+    pub fn fair(mut self) -> Result<Lock> {
+        if matches!(self.kind, ClaimKind::Reentrant(_)) {
+            return Err(both_fair_and_reentrant());
+        }
         self.options.fair = true;
-        self
+        self.kind = ClaimKind::Fair;
+        self.check()?;
+        Ok(self)
+    }
+
+    /// This lock, held reentrantly by `owner`: acquiring it while `owner` already holds it
+    /// succeeds at once and counts one more hold; the lease is deleted when the last hold is
+    /// released. Plain and reentrant acquirers of one name exclude each other.
+    ///
+    /// Holds are counted on the store per hold (a re-sent command never counts twice), so
+    /// the guards of one owner may live in different processes ([`Owner::named`]). In this
+    /// process the guards of one reign share one watchdog registration and one lost state:
+    /// the lease is extended while any of them lives, and when it is lost, all of them are.
+    ///
+    /// ```
+    /// use redlease::{LockManager, MemoryBackend, Owner};
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::new(MemoryBackend::new());
+    /// let me = Owner::random();
+    /// let lock = locks.lock("account:7").reentrant(&me)?;
+    /// let outer = lock.acquire().await?;
+    /// let inner = lock.acquire().await?;            // no deadlock: same owner
+    /// assert_eq!(inner.hold_count(), Some(2));
+    /// assert_eq!(inner.fencing_token(), outer.fencing_token()); // one reign, one token
+    /// assert!(locks.lock("account:7").try_acquire().await?.is_none());
+    /// assert_eq!(inner.release().await?, 1);         // one hold left
+    /// assert_eq!(outer.release().await?, 0);         // the lease is gone
+    /// assert!(locks.lock("account:7").try_acquire().await?.is_some());
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for an empty owner name or a fair lock;
+    /// [`Error::Unsupported`] if the store has no reentrant locks.
+    pub fn reentrant(&self, owner: &Owner) -> Result<Lock> {
+        if self.options.fair {
+            return Err(both_fair_and_reentrant());
+        }
+        if owner.as_str().is_empty() {
+            return Err(Error::invalid(
+                "a reentrant lock's owner name must not be empty",
+            ));
+        }
+        let lock = Lock {
+            kind: ClaimKind::Reentrant(owner.clone()),
+            ..self.clone()
+        };
+        lock.check()?;
+        Ok(lock)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.name.is_empty() {
+            return Err(Error::invalid("lock name must not be empty"));
+        }
+        self.shared.engine.check(&self.kind)
+    }
+
+    fn target(&self) -> Result<Target<'_>> {
+        if self.name.is_empty() {
+            return Err(Error::invalid("lock name must not be empty"));
+        }
+        Ok(Target {
+            manager: &self.shared.engine,
+            name: &self.name,
+            key: &self.key,
+            options: &self.options,
+            kind: &self.kind,
+        })
     }
 
     /// Waits until the lock is ours (or the options' `wait_timeout` passes).
@@ -190,17 +309,18 @@ impl Lock {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] after `wait_timeout`; [`Error::InvalidConfig`] for an empty name or
-    /// invalid options; [`Error::Backend`] if the store fails.
+    /// [`Error::Timeout`] after `wait_timeout`; [`Error::InvalidConfig`] for an empty name;
+    /// [`Error::Backend`] if the store fails; [`Error::QuorumNotReached`] if a
+    /// [`Redlock`](crate::Redlock) cannot reach a majority.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future at any point leaves no lease behind: if an attempt may have
-    /// reached the store, a compare-and-delete for its token is run in the background.
+    /// reached the store, its claim is abandoned in the background (a compare-and-delete
+    /// that also bars a late copy of the attempt). A fair waiter that is dropped loses its
+    /// place in the queue.
     pub async fn acquire(&self) -> Result<LockGuard> {
-        self.observed(Some(self.options.wait_timeout))
-            .await?
-            .ok_or(Error::NotHeld)
+        acquire::wait(self.target()?, self.options.wait_timeout).await
     }
 
     /// Waits at most `timeout` (overrides the options' `wait_timeout`). The first attempt
@@ -225,52 +345,17 @@ impl Lock {
     ///
     /// As [`acquire`](Self::acquire).
     pub async fn acquire_timeout(&self, timeout: Duration) -> Result<LockGuard> {
-        self.observed(Some(Some(timeout)))
-            .await?
-            .ok_or(Error::NotHeld)
+        acquire::wait(self.target()?, Some(timeout)).await
     }
 
-    /// One attempt: `Ok(None)` if someone else holds the lock.
+    /// One attempt: `Ok(None)` if someone else holds the lock (for a fair lock, also when
+    /// others are queued: a single attempt never joins the queue).
     ///
     /// # Cancel safety
     ///
     /// As [`acquire`](Self::acquire).
     pub async fn try_acquire(&self) -> Result<Option<LockGuard>> {
-        self.observed(None).await
-    }
-
-    /// [`run`](Self::run) in a `redlease.acquire` span that records the outcome and the
-    /// wait, and counted in the metrics.
-    async fn observed(&self, wait: Option<Option<Duration>>) -> Result<Option<LockGuard>> {
-        use tracing::field::Empty;
-        use tracing::Instrument;
-        let span = tracing::debug_span!(
-            "redlease.acquire",
-            key = %self.key,
-            fair = self.options.fair,
-            outcome = Empty,
-            waited_ms = Empty,
-            fencing_token = Empty,
-        );
-        let began = Instant::now();
-        let result = self.run(wait).instrument(span.clone()).await;
-        let waited = began.elapsed();
-        let outcome = match &result {
-            Ok(Some(guard)) => {
-                span.record("fencing_token", guard.fencing_token());
-                "acquired"
-            }
-            Ok(None) => "busy",
-            Err(Error::Timeout { .. }) => "timeout",
-            Err(_) => "error",
-        };
-        span.record("outcome", outcome);
-        span.record(
-            "waited_ms",
-            u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
-        );
-        crate::telemetry::acquire(outcome, waited);
-        result
+        acquire::once(self.target()?).await
     }
 
     /// What the store knows about this lock now: whether it is held and for how long yet,
@@ -291,178 +376,16 @@ impl Lock {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for an empty name or a backend that cannot inspect;
-    /// [`Error::Backend`] if the store fails.
+    /// [`Error::InvalidConfig`] for an empty name; [`Error::Backend`] if the store fails.
     pub async fn inspect(&self) -> Result<Option<LockInfo>> {
-        if self.name.is_empty() {
-            return Err(Error::invalid("lock name must not be empty"));
-        }
-        self.manager.backend.inspect(&self.key).await
-    }
-
-    fn check(&self) -> Result<()> {
-        if self.name.is_empty() {
-            return Err(Error::invalid("lock name must not be empty"));
-        }
-        self.options.validate()
-    }
-
-    /// The acquire loop. `wait`: `None` = one attempt; `Some(limit)` = wait, up to `limit`.
-    async fn run(&self, wait: Option<Option<Duration>>) -> Result<Option<LockGuard>> {
-        self.check()?;
-        if self.options.fair {
-            // Boxed: inline, its state would add to every acquire future's size, plain ones
-            // included (a caller's block_on runs them on its own thread's stack).
-            return Box::pin(crate::fair::run(self, wait)).await;
-        }
-        let opts = &self.options;
-        let began = Instant::now();
-        // A limit too far to represent (Duration::MAX) means no limit.
-        let deadline = wait.flatten().and_then(|d| began.checked_add(d));
-        let timeout = || Error::Timeout {
-            waited: began.elapsed(),
-        };
-        let mut pending = ReleaseOnDrop {
-            backend: self.manager.backend.clone(),
-            key: self.key.clone(),
-            token: Token::random().with_label(opts.holder_label.clone()),
-            rt: Rt::current(),
-            armed: false,
-            confirmed: false,
-        };
-        let notify = wait.is_some() && opts.retry.notify;
-        let recheck = opts.retry.max_delay;
-        let mut sub: Option<Subscription> = None;
-        let mut pauses = Pauses::new(&opts.retry, notify);
-        // A waiting acquire's first attempt yields to the waiters already there; later ones
-        // compete as a waiter.
-        let mut arriving = true;
-        loop {
-            let woken = sub.as_ref().map(Subscription::listen);
-            let started = Instant::now();
-            // From here until a definite answer, the attempt may hold the lease.
-            pending.armed = true;
-            let waiting = match (notify, arriving) {
-                (false, _) => Waiting::No,
-                (true, true) => Waiting::Arriving { recheck },
-                (true, false) => Waiting::Waiting { recheck },
-            };
-            let attempt = pending
-                .backend
-                .try_acquire(&self.key, &pending.token, opts.ttl, waiting);
-            // The first attempt always gets its answer (bounded by the store's own
-            // timeouts), so that a zero or tiny wait still takes a free lock.
-            let limit = if arriving { None } else { deadline };
-            let outcome = runtime::until(limit, attempt).await.ok_or_else(timeout)??;
-            let round_trip = started.elapsed();
-            let remaining = match outcome {
-                Acquire::Acquired {
-                    fencing_token,
-                    validity,
-                } => {
-                    tracing::debug!(key = %self.key, fencing_token, waited = ?began.elapsed(), "acquired");
-                    return Ok(Some(LockGuard::new(
-                        self,
-                        fencing_token,
-                        started,
-                        validity,
-                        pending,
-                    )));
-                }
-                Acquire::Held { remaining } => {
-                    crate::telemetry::contended();
-                    remaining
-                }
-                // Only a quorum member answers this, and only to `try_acquire_node`.
-                Acquire::Warming { remaining } => Some(remaining),
-            };
-            // A first attempt turned away from a free lock: it yielded to registered waiters.
-            let yielded = arriving && remaining.is_none();
-            arriving = false;
-            pending.armed = false;
-            if wait.is_none() {
-                return Ok(None);
-            }
-            let mut woken = woken;
-            let mut remaining = remaining;
-            if notify && sub.is_none() {
-                // Subscribe, then check again: a release that came before the subscription
-                // was confirmed is seen by that check.
-                let subscribed = self.manager.backend.subscribe(&self.key);
-                let subscribed = runtime::until(deadline, subscribed)
-                    .await
-                    .ok_or_else(timeout)??;
-                if !yielded {
-                    sub = Some(subscribed);
-                    continue;
-                }
-                // The lock was free, and the waiters the release woke are on their way to
-                // it: check again after they have had two of our round trips and a
-                // millisecond to take it, or at the next release. Checking at once would race
-                // them, and a holder that releases and acquires again would mostly win its
-                // lock back (a flag left by waiters that have gone costs this short pause,
-                // not a fallback re-check's whole second).
-                woken = Some(subscribed.listen());
-                sub = Some(subscribed);
-                remaining = Some(round_trip.saturating_mul(2));
-            }
-            // The holder's lease runs out after `remaining` (a crashed holder never
-            // publishes): the pause is no longer than that.
-            if !pauses.wait(woken, remaining, deadline).await {
-                return Err(timeout());
-            }
-        }
+        let target = self.target()?;
+        target.manager.backend.inspect(target.key).await
     }
 }
 
-/// The waits between a waiting acquire's attempts: until a wake-up (a release or hand-off)
-/// or a pause, whichever comes first. With wake-ups the pause is a fallback re-check at
-/// most every `max_delay`; without (polling) it grows from `min_delay` to `max_delay`. Either
-/// way it is jittered, and no longer than what the store said is left of the holder's lease.
-pub(crate) struct Pauses {
-    notify: bool,
-    next: Duration,
-    max: Duration,
-}
-
-impl Pauses {
-    pub(crate) fn new(retry: &crate::RetryPolicy, notify: bool) -> Self {
-        Pauses {
-            notify,
-            next: retry.min_delay,
-            max: retry.max_delay,
-        }
-    }
-
-    /// Waits for `woken` or the next pause (at most `remaining` + 1 ms); `false` if
-    /// `deadline` came first.
-    pub(crate) async fn wait(
-        &mut self,
-        woken: Option<crate::backend::Released>,
-        remaining: Option<Duration>,
-        deadline: Option<Instant>,
-    ) -> bool {
-        let mut pause = if self.notify {
-            jitter(self.max, 0.8)
-        } else {
-            let p = jitter(self.next, 0.5);
-            self.next = self.next.saturating_mul(2).min(self.max);
-            p
-        };
-        if let Some(r) = remaining {
-            pause = pause.min(r + Duration::from_millis(1));
-        }
-        let sleep = std::pin::pin!(runtime::sleep(pause));
-        match woken {
-            Some(w) => runtime::until(deadline, future::select(w, sleep))
-                .await
-                .is_some(),
-            None => runtime::until(deadline, sleep).await.is_some(),
-        }
-    }
-}
-
-/// `d` scaled by a random factor in `[low, 1]`, so waiters do not retry in lockstep.
-pub(crate) fn jitter(d: Duration, low: f64) -> Duration {
-    d.mul_f64(rand::random_range(low..=1.0))
+fn both_fair_and_reentrant() -> Error {
+    Error::invalid(
+        "a lock cannot be both fair and reentrant: a re-entry would have to jump the queue; \
+         turn `fair` off for this lock",
+    )
 }

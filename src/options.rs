@@ -44,16 +44,28 @@ pub(crate) fn check_ttl(ttl: Duration) -> Result<()> {
 /// assert!(LockOptions::new().ttl(Duration::ZERO).validate().is_err());
 /// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct LockOptions {
-    pub(crate) ttl: Duration,
-    pub(crate) watchdog: bool,
-    pub(crate) watchdog_interval: Option<Duration>,
-    pub(crate) wait_timeout: Option<Duration>,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) key_prefix: Arc<str>,
-    pub(crate) fair: bool,
-    pub(crate) holder_label: Option<Arc<str>>,
-    pub(crate) max_hold: Option<Duration>,
+    /// How long a lease lives on the server without being extended; see
+    /// [`ttl`](Self::ttl()). Default 30 s.
+    pub ttl: Duration,
+    /// Whether the shared watchdog keeps held leases alive. Default `true`.
+    pub watchdog: bool,
+    /// How often the watchdog extends a held lease; `None`: ttl/3. Default `None`.
+    pub watchdog_interval: Option<Duration>,
+    /// How long [`Lock::acquire`](crate::Lock::acquire) waits; `None`: as long as it takes.
+    /// Default `None`.
+    pub wait_timeout: Option<Duration>,
+    /// How waiters learn that the lock is free. Default [`RetryPolicy::notify`].
+    pub retry: RetryPolicy,
+    /// Prefix of every key. Default `redlease:`.
+    pub key_prefix: Arc<str>,
+    /// Whether acquirers are served in arrival order. Default `false`.
+    pub fair: bool,
+    /// A public description of the holder, kept beside the lease. Default `None`.
+    pub holder_label: Option<Arc<str>>,
+    /// The longest the watchdog keeps one hold alive; `None`: no cap. Default `None`.
+    pub max_hold: Option<Duration>,
 }
 
 /// The longest [holder label](LockOptions::holder_label) accepted, in bytes.
@@ -140,15 +152,15 @@ impl LockOptions {
     /// dropped future) leaves the queue at once.
     ///
     /// Needs a backend with fair locks ([`RedisBackend`](crate::RedisBackend),
-    /// [`MemoryBackend`](crate::MemoryBackend)); others make `acquire` fail with
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig).
+    /// [`MemoryBackend`](crate::MemoryBackend)); with any other the lock (or the manager, for
+    /// defaults) is refused when it is made, with [`Error::Unsupported`](crate::Error::Unsupported).
     ///
     /// ```
     /// use redlease::{LockManager, LockOptions, MemoryBackend};
     /// # futures::executor::block_on(async {
     /// let locks = LockManager::with_options(MemoryBackend::new(), LockOptions::new().fair(true))?;
     /// let lock = locks.lock("printer");
-    /// assert!(lock.options().is_fair());
+    /// assert!(lock.options().fair);
     /// let guard = lock.acquire().await?;
     /// guard.release().await?;
     /// # Ok::<(), redlease::Error>(()) }).unwrap();
@@ -160,13 +172,13 @@ impl LockOptions {
 
     /// A description of the holder (host, pid, task name), stored beside the lease while it
     /// is held, for [`Lock::inspect`](crate::Lock::inspect) and `redlease inspect` to show
-    /// who holds a lock. It is public: never put secrets in it. Defaults to `None`; at most
+    /// who holds a lock. It is public: never put secrets in it. Defaults to none; at most
     /// [`MAX_LABEL_LEN`] bytes. [`host_pid_label`] makes the usual `host:pid`.
     ///
     /// ```
     /// use redlease::{LockManager, LockOptions, MemoryBackend};
     /// # futures::executor::block_on(async {
-    /// let opts = LockOptions::new().holder_label(Some(redlease::host_pid_label()));
+    /// let opts = LockOptions::new().holder_label(redlease::host_pid_label());
     /// let locks = LockManager::with_options(MemoryBackend::new(), opts)?;
     /// let lock = locks.lock("report");
     /// let _held = lock.acquire().await?;
@@ -174,18 +186,9 @@ impl LockOptions {
     /// assert_eq!(info.holder_label.as_deref(), Some(redlease::host_pid_label().as_str()));
     /// # Ok::<(), redlease::Error>(()) }).unwrap();
     /// ```
-    pub fn holder_label(mut self, label: Option<String>) -> Self {
-        self.holder_label = label.map(Into::into);
+    pub fn holder_label(mut self, label: impl Into<String>) -> Self {
+        self.holder_label = Some(label.into().into());
         self
-    }
-
-    /// The configured holder label; see [`holder_label`](Self::holder_label).
-    ///
-    /// ```
-    /// assert_eq!(redlease::LockOptions::new().get_holder_label(), None);
-    /// ```
-    pub fn get_holder_label(&self) -> Option<&str> {
-        self.holder_label.as_deref()
     }
 
     /// The longest the watchdog keeps one hold alive. Once a lease has been held for `d`
@@ -201,40 +204,25 @@ impl LockOptions {
     ///
     /// Defaults to `None` (no cap). Must be at least the ttl (a lease lives one ttl anyway)
     /// and at most [`MAX_TTL`]. The cap covers explicit
-    /// [`LockGuard::extend`](crate::LockGuard::extend) calls too: the watchdog's next round
-    /// brings a longer expiry back to the cap.
+    /// [`LockGuard::extend`](crate::LockGuard::extend) calls too: they are cut short to end
+    /// at it. It applies to every kind of lock; for a reentrant lock it counts from the hold
+    /// that started the reign, and a re-entry made in the last TTL before the cap may keep the
+    /// lease on the store up to one TTL past it (the store never shortens a reign's lease,
+    /// which other holders of the owner may be extending), while the guards turn lost at the
+    /// cap.
     ///
     /// ```
     /// use std::time::Duration;
     /// use redlease::LockOptions;
     /// let opts = LockOptions::new().ttl(Duration::from_secs(10)).max_hold(Duration::from_secs(600));
     /// assert!(opts.validate().is_ok());
-    /// assert_eq!(opts.get_max_hold(), Some(Duration::from_secs(600)));
+    /// assert_eq!(opts.max_hold, Some(Duration::from_secs(600)));
     /// let too_short = LockOptions::new().ttl(Duration::from_secs(10)).max_hold(Duration::from_secs(1));
     /// assert!(too_short.validate().is_err());
     /// ```
     pub fn max_hold(mut self, d: Duration) -> Self {
         self.max_hold = Some(d);
         self
-    }
-
-    /// The configured maximum hold; see [`max_hold`](Self::max_hold).
-    pub fn get_max_hold(&self) -> Option<Duration> {
-        self.max_hold
-    }
-
-    /// Whether these options make a fair (FIFO) lock; see [`fair`](Self::fair).
-    ///
-    /// ```
-    /// assert!(!redlease::LockOptions::new().is_fair());
-    /// ```
-    pub fn is_fair(&self) -> bool {
-        self.fair
-    }
-
-    /// The configured TTL.
-    pub fn get_ttl(&self) -> Duration {
-        self.ttl
     }
 
     /// The interval the watchdog uses: the configured one, or ttl/3.
@@ -337,10 +325,14 @@ pub fn host_pid_label() -> String {
 /// assert!(redlease::LockOptions::new().retry(p).validate().is_ok());
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
-    pub(crate) notify: bool,
-    pub(crate) min_delay: Duration,
-    pub(crate) max_delay: Duration,
+    /// Whether waiters subscribe to releases (`true`) or poll.
+    pub notify: bool,
+    /// The first back-off delay when polling.
+    pub min_delay: Duration,
+    /// The longest wait between two checks.
+    pub max_delay: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -380,7 +372,8 @@ impl RetryPolicy {
         self
     }
 
-    pub(crate) fn validate(&self) -> Result<()> {
+    /// Checks the policy, naming the first problem found.
+    pub fn validate(&self) -> Result<()> {
         if self.min_delay.is_zero() || self.max_delay.is_zero() {
             return Err(Error::invalid("retry delays must be above zero"));
         }

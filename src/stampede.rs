@@ -17,18 +17,18 @@ use event_listener::Event;
 use futures::future::{self, BoxFuture};
 use futures::FutureExt;
 
-use crate::backend::Subscription;
+use crate::backend::values::{Cached, Failure, Fill, Read, ValueStore};
+use crate::backend::{MemoryBackend, RedisBackend, Subscription};
 use crate::error::{Error, Result};
 use crate::guard::LockGuard;
 use crate::lock::{Lock, LockManager};
 use crate::options::{LockOptions, MAX_TTL};
 use crate::runtime::{self, Rt};
-use crate::{MemoryBackend, RedisBackend};
+use crate::token::LeaseKey;
 
-mod store;
+mod memory;
 
-pub(crate) use store::MemoryValues;
-use store::{Cached, Failure, Fill, MemoryStore, Read, RedisStore, Store};
+use memory::MemoryStore;
 
 /// The largest factor `-ln(u)` may reach in XFetch's early-refresh test: a very small random
 /// draw would otherwise refresh absurdly early (the Internet Archive harness' lesson).
@@ -262,7 +262,7 @@ impl CacheOptions {
 mod sealed {
     /// Where a cache keeps its values; opaque outside the crate.
     #[derive(Debug)]
-    pub struct StoreHandle(pub(super) std::sync::Arc<dyn super::Store>);
+    pub struct StoreHandle(pub(super) std::sync::Arc<dyn super::ValueStore>);
 
     pub trait Sealed {
         fn into_store(self) -> StoreHandle;
@@ -286,7 +286,7 @@ pub trait CacheBackend: sealed::Sealed {}
 
 impl sealed::Sealed for RedisBackend {
     fn into_store(self) -> sealed::StoreHandle {
-        sealed::StoreHandle(Arc::new(RedisStore::new(self)))
+        sealed::StoreHandle(Arc::new(self.values()))
     }
 }
 impl CacheBackend for RedisBackend {}
@@ -400,7 +400,7 @@ pub struct Cache {
 type FlightKey = (String, TypeId);
 
 struct Inner {
-    store: Arc<dyn Store>,
+    store: Arc<dyn ValueStore>,
     locks: LockManager,
     options: CacheOptions,
     flights: Mutex<HashMap<FlightKey, Arc<Flight>>>,
@@ -515,6 +515,7 @@ impl Drop for Ticket {
 fn duplicate(e: &Arc<Error>) -> Error {
     match &**e {
         Error::InvalidConfig(m) => Error::InvalidConfig(m.clone()),
+        Error::Unsupported(m) => Error::Unsupported(m.clone()),
         Error::Timeout { waited } => Error::Timeout { waited: *waited },
         Error::NotHeld => Error::NotHeld,
         Error::LoadFailed { message } => Error::LoadFailed {
@@ -582,9 +583,9 @@ impl Cache {
         Self::build(backend.into_store().0, options)
     }
 
-    fn build(store: Arc<dyn Store>, options: CacheOptions) -> Result<Self> {
+    fn build(store: Arc<dyn ValueStore>, options: CacheOptions) -> Result<Self> {
         options.validate()?;
-        let locks = LockManager::shared(store.backend(), options.lock_options())?;
+        let locks = LockManager::with_options(store.backend(), options.lock_options())?;
         Ok(Cache {
             inner: Arc::new(Inner {
                 store,
@@ -1012,7 +1013,7 @@ impl Inner {
     }
 
     /// A lease this flight took, as a compute round.
-    fn round(&self, guard: LockGuard, key: &crate::LeaseKey) -> Round {
+    fn round(&self, guard: LockGuard, key: &LeaseKey) -> Round {
         Round {
             key: key.clone(),
             guard: Some(guard),
@@ -1161,7 +1162,7 @@ impl Inner {
     /// starts the refresh cooldown).
     async fn compute(
         &self,
-        key: &crate::LeaseKey,
+        key: &LeaseKey,
         round: Round,
         ttl: Duration,
         load: Loader,
@@ -1310,9 +1311,9 @@ impl Inner {
 /// lease's TTL: [`end`](Self::end), and dropping it (the flight was cancelled), which does
 /// the same in the background.
 struct Round {
-    key: crate::LeaseKey,
+    key: LeaseKey,
     guard: Option<LockGuard>,
-    store: Arc<dyn Store>,
+    store: Arc<dyn ValueStore>,
 }
 
 impl Round {
@@ -1382,7 +1383,7 @@ impl Backoff {
         self.next = Self::FIRST;
     }
 
-    async fn pause(&mut self, e: Error, key: &crate::LeaseKey) -> Result<()> {
+    async fn pause(&mut self, e: Error, key: &LeaseKey) -> Result<()> {
         let since = *self.since.get_or_insert_with(Instant::now);
         if since.elapsed().saturating_add(self.next) >= self.budget {
             return Err(e);

@@ -1,4 +1,4 @@
-//! Lease tokens (who owns a lease) and lease keys (where a lock lives in the store).
+//! Who holds a lease ([`Token`], [`Owner`]) and where a lock lives ([`LeaseKey`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -58,7 +58,7 @@ impl Token {
     }
 
     /// A fresh token for one hold of a reentrant lock (see
-    /// [`Backend::reentrant_acquire`](crate::Backend::reentrant_acquire)): 128 bits from the
+    /// [`ClaimKind::Reentrant`](crate::backend::ClaimKind::Reentrant)): 128 bits from the
     /// CSPRNG, as `h` and 32 hex digits. The hold that starts a reign is also the lease's
     /// token, so a store can tell a reentrant lease from a plain one by its token when it
     /// extends it (a reentrant lease has more keys to keep alive).
@@ -130,49 +130,6 @@ impl fmt::Debug for Token {
 #[derive(Clone)]
 pub struct LeaseKey(Arc<str>);
 
-/// The derived names' suffixes, in [`Part`] order.
-const PARTS: [&str; 8] = [
-    "fence",
-    "abandoned",
-    "released",
-    "queue",
-    "timeouts",
-    "handoff",
-    "owners",
-    "holds",
-];
-
-/// A derived name of a lock (the Redis layout's keys and channel beside the lease).
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Part {
-    Fence = 0,
-    Abandoned = 1,
-    Released = 2,
-    /// Fair locks: the list of waiting tokens, in arrival order.
-    Queue = 3,
-    /// Fair locks: the sorted set of waiting tokens by deadline (server time, ms).
-    Timeouts = 4,
-    /// Fair locks: the channel a release publishes the new queue head's token on.
-    Handoff = 5,
-    /// Reentrant locks: the hash {owner: hold count} of the reign holding the lease.
-    Owners = 6,
-    /// Reentrant locks: the reign's live holds {hold token: 1}, plus its `owner`, `token`
-    /// (the lease token) and `fence`.
-    Holds = 7,
-}
-
-/// A name beside a cached key's compute lease (see the stampede module). Made when used, not
-/// stored with every key: most keys are plain locks, and each held lease keeps its key.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum CachePart {
-    /// The cached value (payload, compute time, grace).
-    Value,
-    /// The channel a cache fill (or a failed compute) is published on.
-    Filled,
-    /// Failed compute rounds, by round, for waiters in other processes.
-    Failed,
-}
-
 impl LeaseKey {
     /// The key of lock `name` under `prefix`. The caller validates both (non-empty name,
     /// prefix without braces); see [`LockOptions::validate`](crate::LockOptions::validate).
@@ -199,23 +156,6 @@ impl LeaseKey {
 
     /// A key beside the lease that shares its hash tag: `<key>:<suffix>`.
     pub fn derived(&self, suffix: &str) -> String {
-        format!("{}:{suffix}", self.as_str())
-    }
-
-    /// A derived name, made when used: a held lease keeps only its key (the watchdog may
-    /// hold a hundred thousand of them), and the calls that need these names send them
-    /// once.
-    pub(crate) fn part(&self, part: Part) -> String {
-        self.derived(PARTS[part as usize])
-    }
-
-    /// A cache name beside this key: `<key>:value`, `<key>:filled` or `<key>:failed`.
-    pub(crate) fn cache_part(&self, part: CachePart) -> String {
-        let suffix = match part {
-            CachePart::Value => "value",
-            CachePart::Filled => "filled",
-            CachePart::Failed => "failed",
-        };
         format!("{}:{suffix}", self.as_str())
     }
 }
@@ -247,28 +187,49 @@ impl fmt::Display for LeaseKey {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Who holds a reentrant lock: holds by the same owner nest instead of excluding each other.
+///
+/// An async task is not a thread: it moves between threads at every `.await`, and one
+/// thread runs many tasks, so a thread id (what Java's reentrant locks use) says nothing
+/// about who holds a lock. The owner is therefore explicit: make one per logical holder (a
+/// request, a job) and pass it down to the code that locks.
+///
+/// [`Owner::named`] lets separate processes act as one owner (say, two workers of one job):
+/// anyone with the name shares the lock, so treat it like a credential.
+///
+/// ```
+/// use redlease::Owner;
+/// let me = Owner::random();
+/// assert_ne!(me, Owner::random());
+/// assert_eq!(Owner::named("job-1234"), Owner::named("job-1234"));
+/// assert_eq!(Owner::named("job-1234").as_str(), "job-1234");
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Owner(Arc<str>);
 
-    #[test]
-    fn parts_are_the_derived_names() {
-        let k = LeaseKey::new("p:", "a{b}");
-        for (part, suffix) in [
-            (Part::Fence, "fence"),
-            (Part::Abandoned, "abandoned"),
-            (Part::Released, "released"),
-            (Part::Queue, "queue"),
-            (Part::Timeouts, "timeouts"),
-            (Part::Handoff, "handoff"),
-            (Part::Owners, "owners"),
-            (Part::Holds, "holds"),
-        ] {
-            assert_eq!(k.part(part), k.derived(suffix));
-        }
-        assert_eq!(k.as_str(), "p:{a%7Bb%7D}");
-        assert_eq!(k.cache_part(CachePart::Value), k.derived("value"));
-        assert_eq!(k.cache_part(CachePart::Filled), k.derived("filled"));
-        assert_eq!(k.cache_part(CachePart::Failed), k.derived("failed"));
+impl Owner {
+    /// A fresh owner: 128 random bits, as 32 hex digits.
+    pub fn random() -> Self {
+        let bits: u128 = rand::random();
+        Owner(format!("{bits:032x}").into())
+    }
+
+    /// The owner called `name` (a job id, say); every holder using the same name is the
+    /// same owner, in any process. An empty name is refused with
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) when the lock is made.
+    pub fn named(name: impl AsRef<str>) -> Self {
+        Owner(name.as_ref().into())
+    }
+
+    /// The owner's id, as stored (the field of the `:owners` hash on Redis).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shown: String = self.0.chars().take(40).collect();
+        write!(f, "Owner({shown:?})")
     }
 }

@@ -1,15 +1,16 @@
-//! One shared task per manager that keeps every held lease alive, in batches.
+//! One shared task per manager that keeps every held lease alive, in batches; and the
+//! [`Kept`] lease a guard holds: its lost state and its registration with that task.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use event_listener::Event;
 use futures::future;
 use tracing::Instrument;
 
-use crate::backend::{Backend, Lease};
+use crate::backend::{Backend, Lease, NodeTerms};
 use crate::options::MIN_TTL;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
@@ -168,6 +169,95 @@ impl Shared {
 /// The handle a manager keeps; the task runs only while leases are registered.
 pub(crate) struct Watchdog {
     shared: Arc<Shared>,
+    /// The leases held under a token shared by several guards (a reentrant reign's), so that
+    /// they share one registration and one lost state: lease token → lease.
+    shared_leases: Arc<SharedLeases>,
+}
+
+/// Leases held under one token by several guards: lease token → lease.
+type SharedLeases = Mutex<HashMap<Token, Weak<Kept>>>;
+
+/// What to keep alive: a granted lease, as [`Watchdog::keep`] takes it.
+pub(crate) struct ToKeep {
+    pub(crate) key: LeaseKey,
+    /// The lease token.
+    pub(crate) token: Token,
+    pub(crate) ttl: Duration,
+    /// How often to extend it; `None`: the watchdog is off for it.
+    pub(crate) interval: Option<Duration>,
+    /// No extension reaches past this (a maximum hold).
+    pub(crate) cap: Option<Instant>,
+    /// When the winning attempt was sent, and the validity it was granted.
+    pub(crate) sent: Instant,
+    pub(crate) validity: Duration,
+    /// Other guards may hold the same lease token (a reentrant reign): share one entry.
+    pub(crate) shared: bool,
+}
+
+/// A held lease in this manager: its lost state, and its registration with the watchdog
+/// (unregistered when the last guard holding it goes).
+pub(crate) struct Kept {
+    pub(crate) state: Arc<LeaseState>,
+    /// The maximum hold's end, if any: no extension reaches past it.
+    pub(crate) cap: Option<Instant>,
+    watch: Option<Registration>,
+    /// The map entry to take out when the last holder goes, for a shared lease.
+    shared: Option<(Arc<SharedLeases>, Token)>,
+}
+
+impl Kept {
+    /// After a manual extend: keep extending with the new TTL.
+    pub(crate) fn set_ttl(&self, ttl: Duration) {
+        if let Some(w) = &self.watch {
+            w.set_ttl(ttl);
+        }
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        drop(self.watch.take());
+        if let Some((map, token)) = &self.shared {
+            let mut map = lock_map(map);
+            // Only if no newer lease took the slot.
+            if map.get(token).is_some_and(|w| w.strong_count() == 0) {
+                map.remove(token);
+            }
+        }
+    }
+}
+
+fn lock_map(m: &SharedLeases) -> MutexGuard<'_, HashMap<Token, Weak<Kept>>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One lease's entry in the watchdog; dropping it unregisters.
+struct Registration {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Registration {
+    fn set_ttl(&self, ttl: Duration) {
+        let mut reg = self.shared.registry();
+        let Some(e) = reg.entries.get_mut(&self.id) else {
+            return;
+        };
+        e.ttl = ttl;
+        e.interval = e.interval.min(ttl / 3);
+        e.next_due = Instant::now() + e.interval;
+        let next_due = e.next_due;
+        if reg.wake_at.is_some_and(|at| next_due < at) {
+            drop(reg);
+            self.shared.wake.notify(1);
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.shared.registry().entries.remove(&self.id);
+    }
 }
 
 impl std::fmt::Debug for Watchdog {
@@ -184,17 +274,68 @@ impl Watchdog {
                 registry: Mutex::default(),
                 wake: Event::new(),
             }),
+            shared_leases: Arc::default(),
         }
     }
 
-    pub(crate) fn register(
+    /// The lease `lease` held in this manager: for a shared lease token, the live entry of
+    /// it (whose deadline this grant confirms), else a new one, registered with the task
+    /// unless the watchdog is off for it.
+    pub(crate) fn keep(&self, lease: ToKeep) -> Arc<Kept> {
+        let deadline = lease.sent + lease.validity;
+        // Kept until the map is unlocked: dropping the last handle of a lease locks it.
+        let existing = lease
+            .shared
+            .then(|| {
+                lock_map(&self.shared_leases)
+                    .get(&lease.token)
+                    .and_then(Weak::upgrade)
+            })
+            .flatten();
+        if let Some(k) = &existing {
+            // A re-entry only ever moves the deadline later (the store never shortens the
+            // lease: a re-entry with a shorter TTL keeps the longer one).
+            if k.state.confirm_later(deadline) {
+                return k.clone();
+            }
+            // Lost here already (a passed deadline, say) though the store still had it: the
+            // old guards stay lost, this one starts afresh.
+        }
+        let state = Arc::new(LeaseState::new(lease.sent, deadline));
+        let watch = lease.interval.map(|interval| {
+            self.register(
+                lease.key,
+                lease.token.clone(),
+                lease.ttl,
+                interval,
+                lease.cap,
+                state.clone(),
+            )
+        });
+        let kept = Arc::new(Kept {
+            state,
+            cap: lease.cap,
+            watch,
+            shared: lease
+                .shared
+                .then(|| (self.shared_leases.clone(), lease.token.clone())),
+        });
+        if lease.shared {
+            let replaced = lock_map(&self.shared_leases).insert(lease.token, Arc::downgrade(&kept));
+            drop((replaced, existing));
+        }
+        kept
+    }
+
+    fn register(
         &self,
         key: LeaseKey,
         token: Token,
         ttl: Duration,
         interval: Duration,
+        hold_until: Option<Instant>,
         state: Arc<LeaseState>,
-    ) -> u64 {
+    ) -> Registration {
         let mut reg = self.shared.registry();
         let id = reg.next_id;
         reg.next_id += 1;
@@ -208,7 +349,7 @@ impl Watchdog {
                 interval,
                 next_due,
                 state,
-                hold_until: None,
+                hold_until,
             },
         );
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
@@ -230,35 +371,9 @@ impl Watchdog {
         if wake {
             self.shared.wake.notify(1);
         }
-        id
-    }
-
-    pub(crate) fn unregister(&self, id: u64) {
-        let mut reg = self.shared.registry();
-        reg.entries.remove(&id);
-    }
-
-    /// Stops extending the lease past `until` (a maximum hold): the last extension is cut
-    /// short to end there, and after it the lease runs out.
-    pub(crate) fn cap(&self, id: u64, until: Instant) {
-        if let Some(e) = self.shared.registry().entries.get_mut(&id) {
-            e.hold_until = Some(until);
-        }
-    }
-
-    /// After a manual extend: keep extending with the new TTL.
-    pub(crate) fn set_ttl(&self, id: u64, ttl: Duration) {
-        let mut reg = self.shared.registry();
-        let Some(e) = reg.entries.get_mut(&id) else {
-            return;
-        };
-        e.ttl = ttl;
-        e.interval = e.interval.min(ttl / 3);
-        e.next_due = Instant::now() + e.interval;
-        let next_due = e.next_due;
-        if reg.wake_at.is_some_and(|at| next_due < at) {
-            drop(reg);
-            self.shared.wake.notify(1);
+        Registration {
+            shared: self.shared.clone(),
+            id,
         }
     }
 
@@ -388,7 +503,10 @@ async fn run(running: Running) {
         let started = Instant::now();
         let span = tracing::debug_span!("redlease.extend", leases = leases.len());
         // Never wait on a hung call past a deadline: the lost signal must not be late.
-        let extending = shared.backend.extend(&leases).instrument(span);
+        let extending = shared
+            .backend
+            .extend(&leases, NodeTerms::new())
+            .instrument(span);
         let result = runtime::until(earliest_deadline, extending).await;
         crate::telemetry::watchdog_round(started.elapsed());
         let mut reg = shared.registry();

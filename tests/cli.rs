@@ -119,7 +119,7 @@ fn two_runs_on_one_name_serialise() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_wait_and_wait_give_the_conflict_and_timeout_codes() {
     let srv = RedisServer::start();
-    let opts = LockOptions::new().holder_label(Some("test-holder".into()));
+    let opts = LockOptions::new().holder_label("test-holder");
     let locks =
         LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
     let held = locks.lock("busy").acquire().await.unwrap();
@@ -277,7 +277,7 @@ fn sigterm_to_the_tool_is_forwarded_to_the_command() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_and_force_release_print_what_they_see_and_delete() {
     let srv = RedisServer::start();
-    let opts = LockOptions::new().holder_label(Some("batch-7".into()));
+    let opts = LockOptions::new().holder_label("batch-7");
     let locks =
         LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
     let guard = locks.lock("nightly").acquire().await.unwrap();

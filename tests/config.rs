@@ -75,15 +75,18 @@ fn bad_options_are_named() {
     }
 }
 
+/// An empty name from `lock` fails at acquire; `lock_with` checks the name and the options
+/// when the lock is made.
 #[tokio::test]
-async fn bad_per_lock_options_and_names_fail_at_acquire() {
+async fn bad_per_lock_options_and_names_are_refused() {
     let locks = LockManager::new(MemoryBackend::new());
     let msg = invalid_message(locks.lock("").acquire().await);
     assert!(msg.contains("name"), "{msg}");
     let msg = invalid_message(locks.lock("").try_acquire().await);
     assert!(msg.contains("name"), "{msg}");
-    let bad = locks.lock_with("x", |o| o.ttl(Duration::ZERO));
-    let msg = invalid_message(bad.acquire_timeout(Duration::from_secs(1)).await);
+    let msg = invalid_message(locks.lock_with("", |o| o));
+    assert!(msg.contains("name"), "{msg}");
+    let msg = invalid_message(locks.lock_with("x", |o| o.ttl(Duration::ZERO)));
     assert!(msg.contains("ttl"), "{msg}");
     // Nothing was left behind by the rejected calls.
     assert!(locks.lock("x").try_acquire().await.unwrap().is_some());
@@ -196,6 +199,8 @@ async fn huge_durations_never_panic() {
     assert!(msg.contains("ttl"), "{msg}");
     g.extend(Duration::from_secs(60)).await.unwrap();
     g.release().await.unwrap();
-    let forever = locks.lock_with("max", |o| o.wait_timeout(Some(Duration::MAX)));
+    let forever = locks
+        .lock_with("max", |o| o.wait_timeout(Some(Duration::MAX)))
+        .unwrap();
     forever.acquire().await.unwrap().release().await.unwrap();
 }

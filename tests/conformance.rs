@@ -74,7 +74,7 @@ impl Store {
     }
 
     async fn manager(&self, options: LockOptions) -> LockManager {
-        LockManager::shared(self.backend().await, options).unwrap()
+        LockManager::with_options(self.backend().await, options).unwrap()
     }
 }
 
@@ -127,7 +127,9 @@ async fn acquire_timeout_gives_timeout_error(store: Store) {
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     assert!(began.elapsed() >= Duration::from_millis(150));
     // The wait_timeout option does the same for acquire().
-    let c = b.lock_with("t", |o| o.wait_timeout(Some(Duration::from_millis(50))));
+    let c = b
+        .lock_with("t", |o| o.wait_timeout(Some(Duration::from_millis(50))))
+        .unwrap();
     assert!(matches!(c.acquire().await, Err(Error::Timeout { .. })));
 }
 
@@ -458,7 +460,7 @@ async fn guards_and_handles_are_send_sync_static(_store: Store) {
     send_sync_static::<redlease::LockGuard>();
     send_sync_static::<redlease::Lock>();
     send_sync_static::<LockManager>();
-    send_static::<redlease::Lost>();
+    send_static::<redlease::futures::Lost>();
 }
 
 macro_rules! conformance {

@@ -14,9 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use redlease::backend::{Acquire, Attempt, Claim, ClaimKind, NodeTerms, Release};
 use redlease::{
-    Acquire, Backend, Error, FairAttempt, LeaseKey, LockGuard, LockManager, LockOptions,
-    MemoryBackend, RedisBackend, RedisOptions, RetryPolicy, Token,
+    Backend, Error, LeaseKey, LockGuard, LockManager, LockOptions, MemoryBackend, RedisBackend,
+    RedisOptions, RetryPolicy, Token,
 };
 use support::{wait_for_async, Checker, PlainOnly, RedisServer};
 
@@ -60,7 +61,7 @@ impl Store {
     }
 
     async fn manager(&self, options: LockOptions) -> LockManager {
-        LockManager::shared(self.backend().await, options).unwrap()
+        LockManager::with_options(self.backend().await, options).unwrap()
     }
 
     /// The length of `key`'s fair queue, where the store lets a test see it.
@@ -88,6 +89,11 @@ fn fair() -> LockOptions {
         .ttl(Duration::from_secs(10))
         .fair(true)
         .retry(RetryPolicy::notify().max_delay(Duration::from_secs(30)))
+}
+
+/// A fair claim on `key` by `token`, as a waiter's acquire makes it.
+fn fair_claim(key: &LeaseKey, token: &Token, ttl: Duration) -> Claim {
+    Claim::new(key.clone(), token.clone(), ttl).kind(ClaimKind::Fair)
 }
 
 /// A future that records that it has been polled once.
@@ -195,13 +201,13 @@ async fn try_acquire_fails_while_someone_is_queued(store: Store) {
     // A waiter that is queued but has not taken the free lock yet (as between a release and
     // the head's attempt).
     let waiter = Token::random();
-    let queued = FairAttempt::Queued {
-        expire: Duration::from_secs(20),
-    };
+    // Kept in the queue for 2 × 9.95 s + 100 ms = 20 s without coming back.
+    let queued = Attempt::Waiting { recheck: ms(9_950) };
     let ttl = Duration::from_secs(10);
+    let waiter = fair_claim(lock.key(), &waiter, ttl);
     let holder = lock.try_acquire().await.unwrap().expect("free");
     let reply = backend
-        .fair_acquire(lock.key(), &waiter, ttl, queued)
+        .acquire(&waiter, queued, NodeTerms::new())
         .await
         .unwrap();
     assert!(matches!(reply, Acquire::Held { .. }), "{reply:?}");
@@ -211,7 +217,7 @@ async fn try_acquire_fails_while_someone_is_queued(store: Store) {
         "try_acquire took a free lock from under a queued waiter"
     );
     // The waiter leaves (it gave up): the lock is for anyone again.
-    backend.abandon(lock.key(), &waiter).await.unwrap();
+    backend.release(&waiter, Release::Abandon).await.unwrap();
     let g = lock.try_acquire().await.unwrap();
     assert!(g.is_some(), "the queue is empty, the lock free");
 }
@@ -255,12 +261,11 @@ async fn head_leaving_a_free_lock_wakes_the_next(store: Store) {
     let backend = a.backend().clone();
     let holder = lock.acquire().await.unwrap();
     // The head: a waiter that will not act on its hand-off (it is about to give up).
-    let head = Token::random();
-    let queued = FairAttempt::Queued {
-        expire: Duration::from_secs(20),
-    };
+    let head = fair_claim(&key, &Token::random(), Duration::from_secs(10));
+    // Kept in the queue for 2 × 9.95 s + 100 ms = 20 s without coming back.
+    let queued = Attempt::Waiting { recheck: ms(9_950) };
     let reply = backend
-        .fair_acquire(&key, &head, Duration::from_secs(10), queued)
+        .acquire(&head, queued, NodeTerms::new())
         .await
         .unwrap();
     assert!(matches!(reply, Acquire::Held { .. }));
@@ -270,7 +275,7 @@ async fn head_leaving_a_free_lock_wakes_the_next(store: Store) {
     tokio::time::sleep(ms(100)).await; // time passing is what is under test
     assert!(!next.is_finished(), "a waiter was served ahead of the head");
     let left = Instant::now();
-    backend.abandon(&key, &head).await.unwrap();
+    backend.release(&head, Release::Abandon).await.unwrap();
     let g = within("the next waiter", next).await.unwrap().unwrap();
     assert!(
         left.elapsed() < Duration::from_secs(5),
@@ -602,10 +607,11 @@ async fn queue_keys_share_the_hash_tag_and_expire() {
     let lock = locks.lock("tag{x}");
     let backend = locks.backend().clone();
     let holder = lock.acquire().await.unwrap();
-    let ghost = Token::random();
-    let queued = FairAttempt::Queued { expire: ms(200) };
+    let ghost = fair_claim(lock.key(), &Token::random(), Duration::from_secs(10));
+    // Kept in the queue for 2 × 50 ms + 100 ms = 200 ms without coming back.
+    let queued = Attempt::Waiting { recheck: ms(50) };
     backend
-        .fair_acquire(lock.key(), &ghost, Duration::from_secs(10), queued)
+        .acquire(&ghost, queued, NodeTerms::new())
         .await
         .unwrap();
     let queue = lock.key().derived("queue");
@@ -629,21 +635,22 @@ async fn queue_keys_share_the_hash_tag_and_expire() {
 
 // (`support::PlainOnly`.)
 
+/// Refused when the lock is made, by every way of making a fair lock.
 #[tokio::test]
-async fn fair_over_an_unsupported_backend_is_invalid_config() {
-    let locks = LockManager::new(PlainOnly::default());
-    let fair_lock = locks.lock("x").fair();
+async fn fair_over_an_unsupported_backend_is_unsupported() {
+    let store = PlainOnly::default();
+    let locks = LockManager::new(store.clone());
     for result in [
-        fair_lock.acquire().await.map(drop),
-        fair_lock.try_acquire().await.map(drop),
-        fair_lock.acquire_timeout(ms(50)).await.map(drop),
+        locks.lock("x").fair().map(drop),
+        locks.lock_with("x", |o| o.fair(true)).map(drop),
+        LockManager::with_options(store.clone(), LockOptions::new().fair(true)).map(drop),
     ] {
         match result {
-            Err(Error::InvalidConfig(msg)) => {
-                assert!(msg.contains("fair locks are not supported"), "{msg}");
+            Err(Error::Unsupported(msg)) => {
+                assert!(msg.contains("fair (FIFO) locks are not supported"), "{msg}");
                 assert!(msg.contains("PlainOnly"), "names the backend: {msg}");
             }
-            other => panic!("expected InvalidConfig, got {other:?}"),
+            other => panic!("expected Unsupported, got {other:?}"),
         }
     }
     // The plain lock on the same backend works, and nothing was left behind.
@@ -651,15 +658,24 @@ async fn fair_over_an_unsupported_backend_is_invalid_config() {
     assert!(g.is_some());
 }
 
+/// Refused when the lock is made, by every way of making a fair lock.
 #[tokio::test]
-async fn fair_over_redlock_is_invalid_config_that_says_so() {
-    let nodes = (0..3).map(|_| MemoryBackend::new());
-    let locks = LockManager::new(redlease::Redlock::new(nodes).unwrap());
-    match locks.lock("x").fair().acquire_timeout(ms(200)).await {
-        Err(Error::InvalidConfig(msg)) => {
-            assert!(msg.contains("not supported over Redlock"), "{msg}")
+async fn fair_over_redlock_is_unsupported_and_says_so() {
+    let nodes: Vec<MemoryBackend> = (0..3).map(|_| MemoryBackend::new()).collect();
+    let redlock = || redlease::Redlock::new(nodes.iter().cloned()).unwrap();
+    let locks = LockManager::new(redlock());
+    for result in [
+        locks.lock("x").fair().map(drop),
+        locks.lock_with("x", |o| o.fair(true)).map(drop),
+        LockManager::with_options(redlock(), LockOptions::new().fair(true)).map(drop),
+    ] {
+        match result {
+            Err(Error::Unsupported(msg)) => {
+                assert!(msg.contains("fair (FIFO) locks are not supported"), "{msg}");
+                assert!(msg.contains("Redlock"), "names the backend: {msg}");
+            }
+            other => panic!("expected Unsupported, got {other:?}"),
         }
-        other => panic!("expected InvalidConfig, got {other:?}"),
     }
     // Nothing was queued or held: the plain lock is free.
     assert!(locks.lock("x").try_acquire().await.unwrap().is_some());

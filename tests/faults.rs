@@ -15,9 +15,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::{self, Either};
+use redlease::backend::{Acquire, Attempt, Backend, Claim, Grant, Lease, NodeTerms, Release};
 use redlease::{
-    Acquire, Backend, Error, Lease, LeaseKey, LockGuard, LockManager, LockOptions, RedisBackend,
-    RedisOptions, Token, Waiting,
+    Error, LeaseKey, LockGuard, LockManager, LockOptions, RedisBackend, RedisOptions, Token,
 };
 use support::{sleep_async, wait_for_async, Checker, Conn, RedisServer};
 
@@ -352,29 +352,34 @@ async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() 
     let raw = backend(&srv).await;
     let key = LeaseKey::new("faults:", "seed-getset-race");
     let (ta, tb) = (Token::random(), Token::random());
+    let ca = Claim::new(key.clone(), ta.clone(), ms(100));
+    let cb = Claim::new(key.clone(), tb.clone(), secs(5));
     assert!(matches!(
-        raw.try_acquire(&key, &ta, ms(100), Waiting::No)
+        raw.acquire(&ca, Attempt::Once, NodeTerms::new())
             .await
             .expect("acquire A"),
-        Acquire::Acquired { .. }
+        Acquire::Granted(..)
     ));
     assert!(
         wait_for_async(secs(3), || !exists(&srv, key.as_str())).await,
         "A's raw lease never expired"
     );
     assert!(matches!(
-        raw.try_acquire(&key, &tb, secs(5), Waiting::No)
+        raw.acquire(&cb, Attempt::Once, NodeTerms::new())
             .await
             .expect("acquire B"),
-        Acquire::Acquired { .. }
+        Acquire::Granted(..)
     ));
     let pttl_before = pttl(&srv, key.as_str());
     let extended = raw
-        .extend(&[Lease {
-            key: &key,
-            token: &ta,
-            ttl: secs(60),
-        }])
+        .extend(
+            &[Lease {
+                key: &key,
+                token: &ta,
+                ttl: secs(60),
+            }],
+            NodeTerms::new(),
+        )
         .await
         .expect("stale extend runs");
     assert_eq!(
@@ -383,7 +388,10 @@ async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() 
         "a stale token's extend must be refused"
     );
     assert!(
-        !raw.release(&key, &ta).await.expect("stale release runs"),
+        raw.release(&ca, Release::Confirmed { lease: &ca.token })
+            .await
+            .expect("stale release runs")
+            .is_none(),
         "a stale token's release must report false"
     );
     assert_eq!(get(&srv, key.as_str()).as_deref(), Some(tb.as_str()));
@@ -392,7 +400,12 @@ async fn expired_holders_release_and_extend_leave_the_next_owners_lease_alone() 
         pttl_after > 0 && pttl_after <= pttl_before,
         "B's TTL moved: {pttl_before} -> {pttl_after}"
     );
-    assert!(raw.release(&key, &tb).await.expect("B's release"));
+    assert_eq!(
+        raw.release(&cb, Release::Confirmed { lease: &cb.token })
+            .await
+            .expect("B's release"),
+        Some(0)
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1036,32 +1049,34 @@ async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token()
     let key = LeaseKey::new("faults:", "replay");
     let ttl = secs(5);
     let t = Token::random();
+    let ct = Claim::new(key.clone(), t.clone(), ttl);
 
     let first = b
-        .try_acquire(&key, &t, ttl, Waiting::No)
+        .acquire(&ct, Attempt::Once, NodeTerms::new())
         .await
         .expect("acquire");
     let replay = b
-        .try_acquire(&key, &t, ttl, Waiting::No)
+        .acquire(&ct, Attempt::Once, NodeTerms::new())
         .await
         .expect("replayed acquire");
     let (
-        Acquire::Acquired {
+        Acquire::Granted(Grant {
             fencing_token: f1, ..
-        },
-        Acquire::Acquired {
+        }),
+        Acquire::Granted(Grant {
             fencing_token: f2, ..
-        },
+        }),
     ) = (&first, &replay)
     else {
-        panic!("a replayed acquire must report Acquired: {first:?}, then {replay:?}");
+        panic!("a replayed acquire must report Granted: {first:?}, then {replay:?}");
     };
     assert_eq!(f1, f2, "a replay must not mint a new fencing token");
     assert_eq!(get(&srv, key.as_str()).as_deref(), Some(t.as_str()));
 
     let other = Token::random();
+    let co = Claim::new(key.clone(), other.clone(), ttl);
     assert!(matches!(
-        b.try_acquire(&key, &other, ttl, Waiting::No)
+        b.acquire(&co, Attempt::Once, NodeTerms::new())
             .await
             .expect("rival"),
         Acquire::Held { .. }
@@ -1072,17 +1087,25 @@ async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token()
         token: &t,
         ttl,
     }];
-    assert!(b.extend(&lease).await.expect("extend")[0].is_some());
-    assert!(b.extend(&lease).await.expect("replayed extend")[0].is_some());
+    assert!(b.extend(&lease, NodeTerms::new()).await.expect("extend")[0].is_some());
+    assert!(b
+        .extend(&lease, NodeTerms::new())
+        .await
+        .expect("replayed extend")[0]
+        .is_some());
 
-    assert!(b.release(&key, &t).await.expect("release"));
-    assert!(
-        b.release(&key, &t).await.expect("replayed release"),
-        "a replayed release must still report true"
+    let release_t = Release::Confirmed { lease: &ct.token };
+    assert_eq!(b.release(&ct, release_t).await.expect("release"), Some(0));
+    assert_eq!(
+        b.release(&ct, release_t).await.expect("replayed release"),
+        Some(0),
+        "a replayed release must still report the release"
     );
     assert!(!exists(&srv, key.as_str()));
     assert_eq!(
-        b.extend(&lease).await.expect("extend after release"),
+        b.extend(&lease, NodeTerms::new())
+            .await
+            .expect("extend after release"),
         vec![None],
         "extend after release must be refused"
     );
@@ -1091,24 +1114,37 @@ async fn replayed_acquire_release_and_extend_are_idempotent_for_the_same_token()
         "extend after release recreated the key"
     );
     assert!(
-        !b.release(&key, &other).await.expect("rival release"),
+        b.release(&co, Release::Confirmed { lease: &co.token })
+            .await
+            .expect("rival release")
+            .is_none(),
         "a token that never held the lease must not report a release"
     );
 
     // The next owner gets a strictly greater fencing token; the old token's replays do not
     // touch its lease.
     match b
-        .try_acquire(&key, &other, ttl, Waiting::No)
+        .acquire(&co, Attempt::Once, NodeTerms::new())
         .await
         .expect("next owner")
     {
-        Acquire::Acquired { fencing_token, .. } => assert!(fencing_token > *f1),
+        Acquire::Granted(Grant { fencing_token, .. }) => assert!(fencing_token > *f1),
         held => panic!("the released lock must be free: {held:?}"),
     }
-    assert_eq!(b.extend(&lease).await.expect("stale extend"), vec![None]);
-    let _ = b.release(&key, &t).await.expect("stale release runs");
+    assert_eq!(
+        b.extend(&lease, NodeTerms::new())
+            .await
+            .expect("stale extend"),
+        vec![None]
+    );
+    let _ = b.release(&ct, release_t).await.expect("stale release runs");
     assert_eq!(get(&srv, key.as_str()).as_deref(), Some(other.as_str()));
-    assert!(b.release(&key, &other).await.expect("release"));
+    assert_eq!(
+        b.release(&co, Release::Confirmed { lease: &co.token })
+            .await
+            .expect("release"),
+        Some(0)
+    );
 }
 
 /// fred re-sends a command that was in flight when its connection dropped, after the
@@ -1123,16 +1159,19 @@ async fn replayed_acquire_arriving_after_it_was_abandoned_does_not_resurrect_the
     let key = LeaseKey::new("faults:", "replay-after-release");
     let ttl = secs(10);
     let t = Token::random();
+    let ct = Claim::new(key.clone(), t.clone(), ttl);
     assert!(matches!(
-        b.try_acquire(&key, &t, ttl, Waiting::No)
+        b.acquire(&ct, Attempt::Once, NodeTerms::new())
             .await
             .expect("acquire"),
-        Acquire::Acquired { .. }
+        Acquire::Granted(..)
     ));
-    assert!(b
-        .abandon(&key, &t)
-        .await
-        .expect("abandon deletes the lease"));
+    assert_eq!(
+        b.release(&ct, Release::Abandon)
+            .await
+            .expect("abandon deletes the lease"),
+        Some(0)
+    );
     let barred = key.derived("abandoned");
     let ttl_left = pttl(&srv, &barred);
     assert!(
@@ -1140,12 +1179,12 @@ async fn replayed_acquire_arriving_after_it_was_abandoned_does_not_resurrect_the
         "the tombstone expires: PTTL {ttl_left}"
     );
     let replay = b
-        .try_acquire(&key, &t, ttl, Waiting::No)
+        .acquire(&ct, Attempt::Once, NodeTerms::new())
         .await
         .expect("replayed acquire");
     let left = get(&srv, key.as_str());
     assert!(
-        !matches!(replay, Acquire::Acquired { .. }) && left.is_none(),
+        !matches!(replay, Acquire::Granted(..)) && left.is_none(),
         "a replayed acquire after the abandon of the same token re-created the lease \
          (reply {replay:?}, key now {left:?}, PTTL {} ms): an orphan for a whole TTL",
         pttl(&srv, key.as_str())
@@ -1161,17 +1200,21 @@ async fn abandoned_acquire_arriving_after_its_clean_up_does_not_take_the_lease()
     let key = LeaseKey::new("faults:", "acquire-after-cleanup");
     let ttl = secs(10);
     let t = Token::random();
+    let ct = Claim::new(key.clone(), t.clone(), ttl);
     assert!(
-        !b.abandon(&key, &t).await.expect("clean-up abandon"),
+        b.release(&ct, Release::Abandon)
+            .await
+            .expect("clean-up abandon")
+            .is_none(),
         "nothing was held yet"
     );
     let late = b
-        .try_acquire(&key, &t, ttl, Waiting::No)
+        .acquire(&ct, Attempt::Once, NodeTerms::new())
         .await
         .expect("late acquire");
     let left = get(&srv, key.as_str());
     assert!(
-        !matches!(late, Acquire::Acquired { .. }) && left.is_none(),
+        !matches!(late, Acquire::Granted(..)) && left.is_none(),
         "an acquire arriving after its own clean-up release took the lease (reply {late:?}, \
          key now {left:?}): an orphan for a whole TTL"
     );
@@ -1186,18 +1229,23 @@ async fn abandoned_acquire_arriving_after_its_clean_up_does_not_take_the_lease()
     // A fence hash about to expire is kept for the tombstone's five minutes.
     srv.cmd(&["PEXPIRE", &fence, "1000"]);
     let t2 = Token::random();
-    assert!(!b.abandon(&key, &t2).await.expect("second clean-up"));
+    let ct2 = Claim::new(key.clone(), t2.clone(), ttl);
+    assert!(b
+        .release(&ct2, Release::Abandon)
+        .await
+        .expect("second clean-up")
+        .is_none());
     let left = pttl(&srv, &fence);
     assert!(
         (295_000..=300_000).contains(&left),
         "fence hash kept for the tombstone: PTTL {left}"
     );
     let late = b
-        .try_acquire(&key, &t2, ttl, Waiting::No)
+        .acquire(&ct2, Attempt::Once, NodeTerms::new())
         .await
         .expect("late acquire");
     assert!(
-        !matches!(late, Acquire::Acquired { .. }),
+        !matches!(late, Acquire::Granted(..)),
         "barred token granted: {late:?}"
     );
 }
@@ -1466,26 +1514,28 @@ async fn a_resent_first_attempt_finds_its_own_lease_despite_waiters() {
     let b = backend(&srv).await;
     let key = LeaseKey::new("faults:", "resent-arriving");
     let (t, other) = (Token::random(), Token::random());
-    let arriving = Waiting::Arriving { recheck: secs(1) };
+    let ct = Claim::new(key.clone(), t, secs(10));
+    let co = Claim::new(key.clone(), other, secs(10));
+    let arriving = Attempt::Arriving { recheck: secs(1) };
     let first = b
-        .try_acquire(&key, &t, secs(10), arriving)
+        .acquire(&ct, arriving, NodeTerms::new())
         .await
         .expect("acquire");
-    let Acquire::Acquired { fencing_token, .. } = first else {
+    let Acquire::Granted(Grant { fencing_token, .. }) = first else {
         panic!("free lock not granted: {first:?}");
     };
-    let waiter = Waiting::Waiting { recheck: secs(1) };
+    let waiter = Attempt::Waiting { recheck: secs(1) };
     let queued = b
-        .try_acquire(&key, &other, secs(10), waiter)
+        .acquire(&co, waiter, NodeTerms::new())
         .await
         .expect("waiter");
     assert!(matches!(queued, Acquire::Held { .. }), "{queued:?}");
     let again = b
-        .try_acquire(&key, &t, secs(10), arriving)
+        .acquire(&ct, arriving, NodeTerms::new())
         .await
         .expect("re-sent");
     assert!(
-        matches!(again, Acquire::Acquired { fencing_token: f, .. } if f == fencing_token),
+        matches!(again, Acquire::Granted(Grant { fencing_token: f, .. }) if f == fencing_token),
         "the re-sent attempt did not find its own lease: {again:?}"
     );
 }

@@ -84,7 +84,9 @@ async fn cancelled_callers_leave_no_lease_and_no_stuck_queue() {
             let mut all_free = true;
             for t in 0..32 {
                 match locks.lock(&format!("cancel:{t}")).try_acquire().await {
-                    Ok(Some(g)) => g.release().await.expect("release"),
+                    Ok(Some(g)) => {
+                        g.release().await.expect("release");
+                    }
                     _ => all_free = false,
                 }
             }

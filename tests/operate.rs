@@ -7,6 +7,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use redlease::backend::{Attempt, Claim, NodeTerms};
 use redlease::{
     Backend, Error, FencedWrite, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend,
     Redlock, RedlockOptions,
@@ -25,13 +26,13 @@ async fn redis(srv: &RedisServer) -> RedisBackend {
 }
 
 fn labelled(ttl: Duration, label: &str) -> LockOptions {
-    LockOptions::new().ttl(ttl).holder_label(Some(label.into()))
+    LockOptions::new().ttl(ttl).holder_label(label)
 }
 
 /// Inspection before, during and after one plain hold, on any backend.
 async fn inspect_a_plain_hold(backend: Arc<dyn Backend>) {
     let locks =
-        LockManager::shared(backend, labelled(Duration::from_secs(5), "host-a:42")).unwrap();
+        LockManager::with_options(backend, labelled(Duration::from_secs(5), "host-a:42")).unwrap();
     let lock = locks.lock("report");
     assert_eq!(lock.inspect().await.unwrap(), None, "never held: no trace");
 
@@ -60,7 +61,7 @@ async fn inspect_a_plain_hold(backend: Arc<dyn Backend>) {
     assert_eq!(after.fencing_token, Some(token));
 
     // A holder without a label replaces the label; nothing stale shows.
-    let plain = LockManager::shared(locks.backend().clone(), LockOptions::new()).unwrap();
+    let plain = LockManager::with_options(locks.backend().clone(), LockOptions::new()).unwrap();
     let g2 = plain.lock("report").acquire().await.unwrap();
     let info = lock.inspect().await.unwrap().expect("held");
     assert!(info.held && info.holder_label.is_none(), "{info:?}");
@@ -92,11 +93,9 @@ async fn inspect_over_redlock_reports_what_a_majority_holds() {
     // One node alone holding a lease (a stray grant) is not a majority: not held.
     let key = redlease::LeaseKey::new("redlease:", "stray");
     let token = redlease::Token::random().with_label(Some("stray".into()));
-    let once = redlease::Waiting::No;
-    nodes[0]
-        .try_acquire(&key, &token, Duration::from_secs(5), once)
-        .await
-        .unwrap();
+    let claim = Claim::new(key.clone(), token, Duration::from_secs(5));
+    let (once, terms) = (Attempt::Once, NodeTerms::new());
+    nodes[0].acquire(&claim, once, terms).await.unwrap();
     let redlock = Redlock::new(nodes.clone()).unwrap();
     let info = redlock
         .inspect(&key)
@@ -105,10 +104,7 @@ async fn inspect_over_redlock_reports_what_a_majority_holds() {
         .expect("a fence is known");
     assert!(!info.held && info.holder_label.is_none(), "{info:?}");
     // Two of three: held, with that label.
-    nodes[1]
-        .try_acquire(&key, &token, Duration::from_secs(5), once)
-        .await
-        .unwrap();
+    nodes[1].acquire(&claim, once, terms).await.unwrap();
     let info = redlock.inspect(&key).await.unwrap().expect("held");
     assert!(info.held, "{info:?}");
     assert_eq!(info.holder_label.as_deref(), Some("stray"));
@@ -117,7 +113,7 @@ async fn inspect_over_redlock_reports_what_a_majority_holds() {
 /// Fair waiters are counted while they queue, and leave the count when served.
 async fn inspect_a_fair_queue(backend: Arc<dyn Backend>) {
     let opts = labelled(Duration::from_secs(5), "fair-holder").fair(true);
-    let locks = LockManager::shared(backend, opts).unwrap();
+    let locks = LockManager::with_options(backend, opts).unwrap();
     let lock = locks.lock("printer");
     let holder = lock.acquire().await.unwrap();
     // Each waiter releases before it returns, so the lock is free once both are done (a
@@ -125,7 +121,7 @@ async fn inspect_a_fair_queue(backend: Arc<dyn Backend>) {
     let waiter = |lock: redlease::Lock| async move {
         let g = lock.acquire().await?;
         let token = g.fencing_token();
-        g.release().await.map(|()| token)
+        g.release().await.map(|_| token)
     };
     let w1 = tokio::spawn(waiter(lock.clone()));
     let w2 = tokio::spawn(waiter(lock.clone()));
@@ -202,10 +198,7 @@ fn max_hold_is_checked_against_the_ttl_and_the_year() {
         .to_string();
     assert!(msg.contains("max_hold"), "{msg}");
     let long = "x".repeat(redlease::MAX_LABEL_LEN + 1);
-    assert!(LockOptions::new()
-        .holder_label(Some(long))
-        .validate()
-        .is_err());
+    assert!(LockOptions::new().holder_label(long).validate().is_err());
 }
 
 /// A capped hold is extended up to the cap, then runs out: `lost()` fires near the cap,
@@ -214,7 +207,7 @@ async fn max_hold_ends_the_hold(backend: Arc<dyn Backend>) {
     let ttl = ms(200);
     let cap = ms(700);
     let opts = LockOptions::new().ttl(ttl).max_hold(cap);
-    let locks = LockManager::shared(backend, opts).unwrap();
+    let locks = LockManager::with_options(backend, opts).unwrap();
     let began = Instant::now();
     let guard = locks.lock("stuck").acquire().await.unwrap();
     tokio::time::timeout(SOON, guard.lost())
@@ -347,16 +340,16 @@ async fn the_label_goes_with_the_release_on_redis() {
 /// Inspection of a real reentrant reign: the count of holds, and no label (a crashed
 /// labelled plain holder's stale label is cleared when the reign starts).
 async fn inspect_a_reentrant_reign(backend: Arc<dyn Backend>) {
-    let stale = LockManager::shared(
+    let stale = LockManager::with_options(
         backend.clone(),
         labelled(Duration::from_millis(200), "crashed").watchdog(false),
     )
     .unwrap();
     stale.lock("reign").acquire().await.unwrap().forget();
     let locks =
-        LockManager::shared(backend, LockOptions::new().ttl(Duration::from_secs(5))).unwrap();
+        LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(5))).unwrap();
     let owner = redlease::Owner::random();
-    let lock = locks.lock("reign").reentrant(&owner);
+    let lock = locks.lock("reign").reentrant(&owner).unwrap();
     let outer = lock.acquire().await.unwrap(); // waits out the stale 200 ms lease
     let inner = lock.acquire().await.unwrap();
     let info = locks.lock("reign").inspect().await.unwrap().expect("held");
@@ -383,4 +376,91 @@ async fn inspect_counts_reentrant_holds_in_memory() {
 async fn inspect_counts_reentrant_holds_on_redis() {
     let srv = RedisServer::start();
     inspect_a_reentrant_reign(Arc::new(redis(&srv).await)).await;
+}
+
+/// `RedisBackend::from_client`: locks over a fred client the application made (its own
+/// reconnect policy and timeout) and connected itself. Locks exclude another process, a
+/// waiter on the application's client is woken by a release (the subscriber connection is
+/// made from the client's settings), and the application's own commands still go through the
+/// same client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_client_serves_locks_beside_the_applications_own_commands() {
+    use fred::prelude::{Builder, ClientLike, Config, KeysInterface, ReconnectPolicy};
+    use redlease::RetryPolicy;
+
+    let srv = RedisServer::start();
+    let mut builder = Builder::from_config(Config::from_url(&srv.url()).unwrap());
+    builder
+        .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
+        .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2));
+    let client = builder.build().unwrap();
+    client.init().await.unwrap();
+    let backend = RedisBackend::from_client(client.clone()).await.unwrap();
+    assert_eq!(
+        backend.client().id(),
+        client.id(),
+        "the application's client"
+    );
+    // Waiters are woken by releases; the fallback re-check (30 s) is far past the bounds here.
+    let opts = LockOptions::new()
+        .ttl(Duration::from_secs(5))
+        .retry(RetryPolicy::notify().max_delay(Duration::from_secs(30)));
+    let locks = LockManager::with_options(backend, opts.clone()).unwrap();
+    let elsewhere = LockManager::with_options(redis(&srv).await, opts).unwrap();
+
+    let held = locks.lock("shared-client").acquire().await.unwrap();
+    assert!(
+        elsewhere
+            .lock("shared-client")
+            .try_acquire()
+            .await
+            .unwrap()
+            .is_none(),
+        "another process is refused"
+    );
+    // The application's own commands, on the same client, while the lock is held.
+    client
+        .set::<(), _, _>("app:greeting", "hello", None, None, false)
+        .await
+        .unwrap();
+    let read: Option<String> = client.get("app:greeting").await.unwrap();
+    assert_eq!(read.as_deref(), Some("hello"));
+    assert_eq!(
+        srv.cmd(&["GET", "app:greeting"]).as_str().as_deref(),
+        Some("hello")
+    );
+    let fence = held.fencing_token();
+    assert_eq!(held.release().await.unwrap(), 0);
+    let theirs = elsewhere
+        .lock("shared-client")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(theirs.fencing_token() > fence);
+
+    // A waiter on the application's client, woken by the other process's release.
+    let waiter = {
+        let lock = locks.lock("shared-client");
+        tokio::spawn(async move { lock.acquire().await })
+    };
+    let waiting = support::wait_for_async(SOON, || {
+        srv.cmd(&["PUBSUB", "NUMSUB", "redlease:{shared-client}:released"])
+            .as_array()
+            .and_then(|a| a.get(1).and_then(|n| n.as_int()))
+            == Some(1)
+    })
+    .await;
+    assert!(waiting, "the waiter never subscribed");
+    theirs.release().await.unwrap();
+    // Well before the 5 s lease would have run out: woken, not a re-check at expiry.
+    let mine = tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect("the waiter was woken by the release")
+        .unwrap()
+        .unwrap();
+    mine.release().await.unwrap();
+    // The client is still the application's to use.
+    let n: i64 = client.incr("app:counter").await.unwrap();
+    assert_eq!(n, 1);
 }

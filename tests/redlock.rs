@@ -619,7 +619,7 @@ async fn issue_restart_test_b_must_not_get_the_lock_while_a_holds_on_3_of_5() {
     let mut servers = start(5);
     let ttl = secs(2);
     let opts = RedlockOptions::new().node_timeout(NODE_TIMEOUT);
-    assert!(opts.get_restart_guard());
+    assert!(opts.restart_guard);
     // Every node must have been up for max_lease (= ttl) to count at all.
     wait_uptime(&servers, 2).await;
     let a = manager(
@@ -1304,4 +1304,71 @@ async fn a_guard_whose_majority_is_killed_cannot_extend_and_is_lost_by_its_deadl
         within("release", secs(5), guard.release()).await.is_err(),
         "releasing a lost guard is an error"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// 11. Nodes that cannot be quorum members are refused when the Redlock is made.
+// ---------------------------------------------------------------------------------------
+
+fn unsupported_message<T: std::fmt::Debug>(r: Result<T, Error>) -> String {
+    match r {
+        Err(Error::Unsupported(msg)) => msg,
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+/// The store a refusal names: what follows the message's first `": "`.
+fn named_store(msg: &str) -> &str {
+    msg.split_once(": ").map_or("", |(_, store)| store)
+}
+
+/// A store that does not honour `NodeTerms` (`Capabilities::node` false: a plain-only store,
+/// or a Redlock itself) cannot be a Redlock node: refused by `Redlock::new`, naming the store,
+/// alone or among real Redis nodes; the Redis nodes alone make a working Redlock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_be_a_quorum_member_is_refused_when_the_redlock_is_made() {
+    let plain_only = || support::PlainOnly::default();
+    let msg = unsupported_message(Redlock::new(vec![plain_only(), plain_only(), plain_only()]));
+    assert!(msg.contains("cannot be a Redlock node"), "{msg}");
+    assert!(
+        named_store(&msg).starts_with("PlainOnly"),
+        "names the store: {msg}"
+    );
+
+    let servers = start(3);
+    let nodes = connected_nodes(&servers).await;
+    let mixed: Vec<Arc<dyn redlease::Backend>> = vec![
+        Arc::new(nodes[0].clone()),
+        Arc::new(plain_only()),
+        Arc::new(nodes[1].clone()),
+    ];
+    let msg = unsupported_message(Redlock::with_options(mixed, guard_off()));
+    assert!(
+        named_store(&msg).starts_with("PlainOnly"),
+        "names the store: {msg}"
+    );
+
+    // A Redlock is not a node either.
+    let inner = Redlock::with_options(nodes.clone(), guard_off()).unwrap();
+    let nested: Vec<Arc<dyn redlease::Backend>> = vec![
+        Arc::new(inner),
+        Arc::new(nodes[2].clone()),
+        Arc::new(MemoryBackend::new()),
+    ];
+    let msg = unsupported_message(Redlock::new(nested));
+    assert!(
+        named_store(&msg).starts_with("Redlock {"),
+        "names the store: {msg}"
+    );
+
+    // The control: the Redis nodes alone are accepted, and their locks work.
+    let locks = LockManager::new(Redlock::with_options(nodes, guard_off()).unwrap());
+    let g = locks
+        .lock("quorum")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(locks.lock("quorum").try_acquire().await.unwrap().is_none());
+    g.release().await.unwrap();
 }

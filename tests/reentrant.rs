@@ -13,10 +13,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use redlease::backend::{Acquire, Attempt, Claim, ClaimKind, Grant, NodeTerms, Release};
 use redlease::{
-    Acquire, Backend, Error, LeaseKey, LockManager, LockOptions, MemoryBackend, NodeTerms, Owner,
-    RedisBackend, RedisOptions, Redlock, RedlockOptions, ReentrantAcquire, RetryPolicy, Token,
-    Waiting,
+    Backend, Error, LeaseKey, LockGuard, LockManager, LockOptions, MemoryBackend, Owner,
+    RedisBackend, RedisOptions, Redlock, RedlockOptions, RetryPolicy, Token,
 };
 use support::{wait_for_async, Checker, PlainOnly, RedisServer};
 
@@ -81,7 +81,7 @@ impl Store {
     }
 
     async fn manager(&self, options: LockOptions) -> LockManager {
-        LockManager::shared(self.backend().await, options).unwrap()
+        LockManager::with_options(self.backend().await, options).unwrap()
     }
 
     /// The servers whose raw state a test can read (none in memory).
@@ -123,18 +123,22 @@ impl Store {
         }
         let deadline = std::time::Instant::now() + SOON;
         loop {
-            let probe = Token::hold();
             let ttl = Duration::from_secs(10);
+            let probe = Claim::new(key.clone(), Token::hold(), ttl)
+                .kind(ClaimKind::Reentrant(owner.clone()));
             let answer = backend
-                .reentrant_acquire(key, owner, &probe, ttl, Waiting::No, NodeTerms::new())
+                .acquire(&probe, Attempt::Once, NodeTerms::new())
                 .await
                 .unwrap();
             let seen = match answer {
-                ReentrantAcquire::Acquired { count, lease, .. } => {
+                Acquire::Granted(Grant {
+                    hold_count, lease, ..
+                }) => {
                     backend
-                        .reentrant_release(key, owner, &probe, Some(&lease))
+                        .release(&probe, Release::Confirmed { lease: &lease })
                         .await
                         .unwrap();
+                    let count = hold_count.expect("a reentrant grant carries its hold count");
                     i64::from(count) - 1
                 }
                 _ => -1,
@@ -151,7 +155,7 @@ impl Store {
     }
 
     /// Waits until `guard`'s lease has expired in the store (it is not extended).
-    async fn wait_expired(&self, guard: &redlease::ReentrantGuard, key: &LeaseKey) {
+    async fn wait_expired(&self, guard: &LockGuard, key: &LeaseKey) {
         let until = guard.valid_until() + ms(20);
         let expired = wait_for_async(SOON, || {
             std::time::Instant::now() > until
@@ -186,7 +190,7 @@ fn opts() -> LockOptions {
 async fn nested_acquire_by_one_owner_does_not_deadlock(store: Store) {
     let locks = store.manager(opts()).await;
     let me = Owner::random();
-    let lock = locks.lock("nested").reentrant(&me);
+    let lock = locks.lock("nested").reentrant(&me).unwrap();
     let outer = within("the outer acquire", lock.acquire()).await.unwrap();
     let middle = within("a nested acquire", lock.acquire()).await.unwrap();
     let inner = lock
@@ -204,12 +208,12 @@ async fn nested_acquire_by_one_owner_does_not_deadlock(store: Store) {
             inner.hold_count(),
             timed.hold_count()
         ],
-        [1, 2, 3, 4]
+        [Some(1), Some(2), Some(3), Some(4)]
     );
     // One reign, one fencing token.
     for g in [&middle, &inner, &timed] {
         assert_eq!(g.fencing_token(), outer.fencing_token());
-        assert_eq!(g.owner(), &me);
+        assert_eq!(g.owner(), Some(&me));
         assert!(!g.is_lost());
     }
     let key = locks.lock("nested").key().clone();
@@ -226,8 +230,8 @@ async fn another_owner_waits_for_the_outermost_guard(store: Store) {
     let a_locks = store.manager(opts()).await;
     let b_locks = store.manager(opts()).await;
     let (a, b) = (Owner::random(), Owner::random());
-    let a_lock = a_locks.lock("outer").reentrant(&a);
-    let b_lock = b_locks.lock("outer").reentrant(&b);
+    let a_lock = a_locks.lock("outer").reentrant(&a).unwrap();
+    let b_lock = b_locks.lock("outer").reentrant(&b).unwrap();
     let outer = a_lock.acquire().await.unwrap();
     let inner = a_lock.acquire().await.unwrap();
     assert!(b_lock.try_acquire().await.unwrap().is_none());
@@ -248,7 +252,7 @@ async fn another_owner_waits_for_the_outermost_guard(store: Store) {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(theirs.hold_count(), 1);
+    assert_eq!(theirs.hold_count(), Some(1));
     assert!(
         theirs.fencing_token() > fence,
         "a new reign, a larger token"
@@ -260,7 +264,7 @@ async fn another_owner_waits_for_the_outermost_guard(store: Store) {
 async fn release_order_may_differ_from_acquire_order(store: Store) {
     let locks = store.manager(opts()).await;
     let key = locks.lock("order").key().clone();
-    let lock = locks.lock("order").reentrant(&Owner::random());
+    let lock = locks.lock("order").reentrant(&Owner::random()).unwrap();
     let g1 = lock.acquire().await.unwrap();
     let g2 = lock.acquire().await.unwrap();
     let g3 = lock.acquire().await.unwrap();
@@ -293,38 +297,50 @@ async fn replayed_acquire_and_release_are_idempotent(store: Store) {
     let backend = store.backend().await;
     let key = LeaseKey::new("redlease:", "replay");
     let me = Owner::named("job-1234");
-    let (ttl, once, terms) = (Duration::from_secs(10), Waiting::No, NodeTerms::new());
+    let (ttl, once, terms) = (Duration::from_secs(10), Attempt::Once, NodeTerms::new());
     let (h1, h2) = (Token::hold(), Token::hold());
+    // One hold of `me`, by `hold`.
+    let claim =
+        |hold: Token| Claim::new(key.clone(), hold, ttl).kind(ClaimKind::Reentrant(me.clone()));
     let acquire = |hold: Token| {
-        let (backend, key, me) = (backend.clone(), key.clone(), me.clone());
-        async move {
-            backend
-                .reentrant_acquire(&key, &me, &hold, ttl, once, terms)
-                .await
-                .unwrap()
-        }
+        let (backend, claim) = (backend.clone(), claim(hold));
+        async move { backend.acquire(&claim, once, terms).await.unwrap() }
     };
-    let counted = |r: &ReentrantAcquire| match r {
-        ReentrantAcquire::Acquired { count, lease, .. } => Some((*count, lease.clone())),
+    let counted = |r: &Acquire| match r {
+        Acquire::Granted(Grant {
+            hold_count, lease, ..
+        }) => Some((*hold_count, lease.clone())),
         _ => None,
     };
     let first = acquire(h1.clone()).await;
     let (count, lease) = counted(&first).expect("granted");
     assert_eq!(
         (count, &lease),
-        (1, &h1),
+        (Some(1), &h1),
         "the first hold is the lease token"
     );
-    assert_eq!(counted(&acquire(h1.clone()).await), Some((1, h1.clone())));
-    assert_eq!(counted(&acquire(h2.clone()).await), Some((2, h1.clone())));
-    assert_eq!(counted(&acquire(h2.clone()).await), Some((2, h1.clone())));
-    assert_eq!(counted(&acquire(h1.clone()).await), Some((2, h1.clone())));
+    assert_eq!(
+        counted(&acquire(h1.clone()).await),
+        Some((Some(1), h1.clone()))
+    );
+    assert_eq!(
+        counted(&acquire(h2.clone()).await),
+        Some((Some(2), h1.clone()))
+    );
+    assert_eq!(
+        counted(&acquire(h2.clone()).await),
+        Some((Some(2), h1.clone()))
+    );
+    assert_eq!(
+        counted(&acquire(h1.clone()).await),
+        Some((Some(2), h1.clone()))
+    );
     store.expect_count(&key, 2).await;
     let release = |hold: Token| {
-        let (backend, key, me, lease) = (backend.clone(), key.clone(), me.clone(), lease.clone());
+        let (backend, claim, lease) = (backend.clone(), claim(hold), lease.clone());
         async move {
             backend
-                .reentrant_release(&key, &me, &hold, Some(&lease))
+                .release(&claim, Release::Confirmed { lease: &lease })
                 .await
         }
     };
@@ -345,33 +361,43 @@ async fn replayed_acquire_and_release_are_idempotent(store: Store) {
     assert_eq!(release(Token::hold()).await.unwrap(), None, "never counted");
     // A new reign starts at one.
     let h3 = Token::hold();
-    assert_eq!(counted(&acquire(h3.clone()).await), Some((1, h3.clone())));
+    assert_eq!(
+        counted(&acquire(h3.clone()).await),
+        Some((Some(1), h3.clone()))
+    );
 
     // Abandoned after it was counted: taken out, and a late copy is not counted again.
     let h4 = Token::hold();
-    assert_eq!(counted(&acquire(h4.clone()).await).map(|c| c.0), Some(2));
+    assert_eq!(
+        counted(&acquire(h4.clone()).await).map(|c| c.0),
+        Some(Some(2))
+    );
     let left = backend
-        .reentrant_release(&key, &me, &h4, None)
+        .release(&claim(h4.clone()), Release::Abandon)
         .await
         .unwrap();
     assert_eq!(left, Some(1));
     assert!(counted(&acquire(h4.clone()).await).is_none(), "a late copy");
     store.expect_count(&key, 1).await;
-    let left = backend.reentrant_release(&key, &me, &h3, Some(&h3)).await;
+    let left = backend
+        .release(&claim(h3.clone()), Release::Confirmed { lease: &h3 })
+        .await;
     assert_eq!(left.unwrap(), Some(0));
     // Abandoned before it arrived, on a free lock: the late copy starts no reign.
     let h5 = Token::hold();
     assert_eq!(
         backend
-            .reentrant_release(&key, &me, &h5, None)
+            .release(&claim(h5.clone()), Release::Abandon)
             .await
             .unwrap(),
         None
     );
     assert!(counted(&acquire(h5.clone()).await).is_none());
-    let plain = backend.try_acquire(&key, &Token::random(), ttl, once).await;
+    let plain = backend
+        .acquire(&Claim::new(key.clone(), Token::random(), ttl), once, terms)
+        .await;
     assert!(
-        matches!(plain.unwrap(), Acquire::Acquired { .. }),
+        matches!(plain.unwrap(), Acquire::Granted(_)),
         "the lock is free"
     );
 }
@@ -386,8 +412,14 @@ async fn stale_guard_cannot_decrement_the_new_reign(store: Store) {
         .await;
     let (a, b) = (Owner::random(), Owner::random());
     let key = a_locks.lock("stale").key().clone();
-    let stale = a_locks.lock("stale").reentrant(&a).acquire().await.unwrap();
-    let b_lock = b_locks.lock("stale").reentrant(&b);
+    let stale = a_locks
+        .lock("stale")
+        .reentrant(&a)
+        .unwrap()
+        .acquire()
+        .await
+        .unwrap();
+    let b_lock = b_locks.lock("stale").reentrant(&b).unwrap();
     // Another owner gets in once the lease has expired (it is never extended).
     let b1 = within("the other owner", b_lock.acquire()).await.unwrap();
     let b2 = b_lock.acquire().await.unwrap();
@@ -398,13 +430,19 @@ async fn stale_guard_cannot_decrement_the_new_reign(store: Store) {
     assert_eq!(b2.release().await.unwrap(), 0);
 
     // The same owner's new reign: the old guard's hold is not counted in it.
-    let old = a_locks.lock("stale").reentrant(&a).acquire().await.unwrap();
+    let old = a_locks
+        .lock("stale")
+        .reentrant(&a)
+        .unwrap()
+        .acquire()
+        .await
+        .unwrap();
     store.wait_expired(&old, &key).await;
-    let a_again = b_locks.lock("stale").reentrant(&a);
+    let a_again = b_locks.lock("stale").reentrant(&a).unwrap();
     let new = within("a new reign of the same owner", a_again.acquire())
         .await
         .unwrap();
-    assert_eq!(new.hold_count(), 1, "a new reign starts at one");
+    assert_eq!(new.hold_count(), Some(1), "a new reign starts at one");
     assert!(new.fencing_token() > old.fencing_token());
     assert!(matches!(old.release().await, Err(Error::NotHeld)));
     assert_eq!(new.release().await.unwrap(), 0);
@@ -414,7 +452,7 @@ async fn plain_and_reentrant_exclude_each_other(store: Store) {
     let locks = store.manager(opts()).await;
     let plain = locks.lock("mixed");
     let me = Owner::random();
-    let mine = locks.lock("mixed").reentrant(&me);
+    let mine = locks.lock("mixed").reentrant(&me).unwrap();
     let held = mine.acquire().await.unwrap();
     assert!(plain.try_acquire().await.unwrap().is_none());
     // A plain waiter is woken by the reentrant owner's last release (fallback: 30 s).
@@ -432,7 +470,7 @@ async fn plain_and_reentrant_exclude_each_other(store: Store) {
         .unwrap();
     // The other way round: neither this owner nor another gets a plain holder's lock.
     assert!(mine.try_acquire().await.unwrap().is_none());
-    let theirs = locks.lock("mixed").reentrant(&Owner::random());
+    let theirs = locks.lock("mixed").reentrant(&Owner::random()).unwrap();
     assert!(theirs.try_acquire().await.unwrap().is_none());
     let waiter = {
         let mine = mine.clone();
@@ -457,8 +495,8 @@ async fn dropped_acquire_futures_leave_the_count_right(store: Store) {
     let other_locks = store.manager(opts().ttl(Duration::from_secs(30))).await;
     let key = locks.lock("cancel").key().clone();
     let (me, other) = (Owner::random(), Owner::random());
-    let lock = locks.lock("cancel").reentrant(&me);
-    let theirs = other_locks.lock("cancel").reentrant(&other);
+    let lock = locks.lock("cancel").reentrant(&me).unwrap();
+    let theirs = other_locks.lock("cancel").reentrant(&other).unwrap();
     let held = lock.acquire().await.unwrap();
     for i in 0..20 {
         // Polled once (the attempt is sent), then dropped; or cut off by a timeout.
@@ -478,7 +516,7 @@ async fn dropped_acquire_futures_leave_the_count_right(store: Store) {
         "only the live guard was left"
     );
     let g = within("the other owner", theirs.acquire()).await.unwrap();
-    assert_eq!(g.hold_count(), 1);
+    assert_eq!(g.hold_count(), Some(1));
     g.release().await.unwrap();
 }
 
@@ -508,7 +546,7 @@ async fn sixteen_tasks_of_two_owners_never_overlap(store: Store) {
         for m in 0..2 {
             let locks = store.manager(opts().ttl(Duration::from_secs(5))).await;
             for _ in 0..8 {
-                let lock = locks.lock("sixteen").reentrant(owner);
+                let lock = locks.lock("sixteen").reentrant(owner).unwrap();
                 let (checker, local, go) = (checker.clone(), local.clone(), go.clone());
                 tasks.push(tokio::spawn(async move {
                     go.wait().await;
@@ -566,16 +604,20 @@ async fn one_named_owner_across_two_managers(store: Store) {
     let m2 = store.manager(short.clone()).await;
     let others = store.manager(short).await;
     let job = Owner::named("job-1234");
-    let g1 = m1.lock("shared").reentrant(&job).acquire().await.unwrap();
-    let g2 = within(
-        "the second process",
-        m2.lock("shared").reentrant(&job).acquire(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(g2.hold_count(), 2);
+    let g1 = m1
+        .lock("shared")
+        .reentrant(&job)
+        .unwrap()
+        .acquire()
+        .await
+        .unwrap();
+    let second = m2.lock("shared").reentrant(&job).unwrap();
+    let g2 = within("the second process", second.acquire())
+        .await
+        .unwrap();
+    assert_eq!(g2.hold_count(), Some(2));
     assert_eq!(g1.fencing_token(), g2.fencing_token());
-    let other = others.lock("shared").reentrant(&Owner::random());
+    let other = others.lock("shared").reentrant(&Owner::random()).unwrap();
     assert!(other.try_acquire().await.unwrap().is_none());
     assert_eq!(g1.release().await.unwrap(), 1);
     // Held for several TTLs more by the second manager's watchdog alone.
@@ -590,18 +632,21 @@ async fn one_named_owner_across_two_managers(store: Store) {
     g.release().await.unwrap();
 }
 
+/// Refused when the lock is made (`reentrant()` / `fair()`), whichever comes first.
 async fn fair_and_reentrant_is_invalid_config(store: Store) {
     let locks = store.manager(opts()).await;
-    let lock = locks.lock("fifo").fair().reentrant(&Owner::random());
-    match lock.try_acquire().await {
+    let fifo = locks.lock("fifo").fair().unwrap();
+    match fifo.reentrant(&Owner::random()) {
+        Err(Error::InvalidConfig(msg)) => assert!(msg.contains("fair and reentrant"), "{msg}"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    let held_by_me = locks.lock("fifo").reentrant(&Owner::random()).unwrap();
+    match held_by_me.fair() {
         Err(Error::InvalidConfig(msg)) => assert!(msg.contains("fair and reentrant"), "{msg}"),
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
     let nameless = locks.lock("fifo").reentrant(&Owner::named(""));
-    assert!(matches!(
-        nameless.acquire().await,
-        Err(Error::InvalidConfig(_))
-    ));
+    assert!(matches!(nameless, Err(Error::InvalidConfig(_))));
     assert!(locks.lock("fifo").try_acquire().await.unwrap().is_some());
 }
 
@@ -666,7 +711,7 @@ async fn redis_layout_is_one_hash_tag_and_the_watchdog_keeps_it_whole() {
     let store = Store::Redis(srv);
     let locks = store.manager(opts().ttl(ms(300))).await;
     let job = Owner::named("job-7");
-    let lock = locks.lock("layout").reentrant(&job);
+    let lock = locks.lock("layout").reentrant(&job).unwrap();
     let key = locks.lock("layout").key().clone();
     let g1 = lock.acquire().await.unwrap();
     let g2 = lock.acquire().await.unwrap();
@@ -699,7 +744,7 @@ async fn redis_layout_is_one_hash_tag_and_the_watchdog_keeps_it_whole() {
 async fn a_lost_lease_marks_every_guard_of_the_reign_lost() {
     let store = Store::redis();
     let locks = store.manager(opts().ttl(ms(300))).await;
-    let lock = locks.lock("lost").reentrant(&Owner::random());
+    let lock = locks.lock("lost").reentrant(&Owner::random()).unwrap();
     let key = locks.lock("lost").key().clone();
     let g1 = lock.acquire().await.unwrap();
     let g2 = lock.acquire().await.unwrap();
@@ -718,22 +763,259 @@ async fn a_lost_lease_marks_every_guard_of_the_reign_lost() {
 
 // (`support::PlainOnly`.)
 
+/// Refused when the lock is made, whatever the handle came from and whoever the owner.
 #[tokio::test]
-async fn reentrant_over_an_unsupported_backend_is_invalid_config() {
+async fn reentrant_over_an_unsupported_backend_is_unsupported() {
     let locks = LockManager::new(PlainOnly::default());
-    let lock = locks.lock("x").reentrant(&Owner::random());
+    let tuned = locks.lock_with("x", |o| o.ttl(ms(500))).unwrap();
     for result in [
-        lock.acquire().await.map(drop),
-        lock.try_acquire().await.map(drop),
-        lock.acquire_timeout(ms(50)).await.map(drop),
+        locks.lock("x").reentrant(&Owner::random()),
+        locks.lock("x").reentrant(&Owner::named("job-1234")),
+        tuned.reentrant(&Owner::random()),
     ] {
         match result {
-            Err(Error::InvalidConfig(msg)) => {
+            Err(Error::Unsupported(msg)) => {
                 assert!(msg.contains("reentrant locks are not supported"), "{msg}");
                 assert!(msg.contains("PlainOnly"), "names the backend: {msg}");
             }
-            other => panic!("expected InvalidConfig, got {other:?}"),
+            other => panic!("expected Unsupported, got {other:?}"),
         }
     }
     assert!(locks.lock("x").try_acquire().await.unwrap().is_some());
+}
+
+// ---------------------------------------------------------------------------------------
+// Guard features that one engine and one guard now give reentrant holds too: the holder
+// label, a maximum hold, a manual extend, and forget.
+// ---------------------------------------------------------------------------------------
+
+/// The reign's label (the options' `holder_label`) is what an inspection shows while any
+/// hold of the reign lives, and it goes with the last release.
+async fn holder_label_shows_while_the_reign_holds(store: Store) {
+    let locks = store.manager(opts().holder_label("worker-7:42")).await;
+    let lock = locks.lock("labelled").reentrant(&Owner::random()).unwrap();
+    let outer = lock.acquire().await.unwrap();
+    let inner = lock.acquire().await.unwrap();
+    let during = lock.inspect().await.unwrap().expect("held");
+    assert!(during.held, "{during:?}");
+    assert_eq!(
+        during.holder_label.as_deref(),
+        Some("worker-7:42"),
+        "{during:?}"
+    );
+    assert_eq!(during.reentrant_count, Some(2), "{during:?}");
+    // One hold left: still the reign's label.
+    assert_eq!(inner.release().await.unwrap(), 1);
+    let still = lock.inspect().await.unwrap().expect("held");
+    assert_eq!(
+        still.holder_label.as_deref(),
+        Some("worker-7:42"),
+        "{still:?}"
+    );
+    assert_eq!(outer.release().await.unwrap(), 0);
+    let after = lock
+        .inspect()
+        .await
+        .unwrap()
+        .expect("the fence is remembered");
+    assert!(!after.held, "{after:?}");
+    assert_eq!(
+        after.holder_label, None,
+        "the label went with the reign: {after:?}"
+    );
+    let key = lock.key().clone();
+    for srv in store.servers() {
+        let label = srv.cmd(&["HGET", &key.derived("fence"), "h"]).as_str();
+        assert!(label.as_deref().is_none_or(str::is_empty), "{label:?}");
+    }
+}
+
+/// A reign capped by `max_hold` is extended by the watchdog past its first ttl, then runs
+/// out at the cap: every guard of the reign turns lost then, and another owner gets in.
+async fn max_hold_ends_a_reign(store: Store) {
+    let (ttl, cap) = (ms(300), ms(700));
+    let locks = store.manager(opts().ttl(ttl).max_hold(cap)).await;
+    let others = store.manager(opts()).await;
+    let lock = locks.lock("capped").reentrant(&Owner::random()).unwrap();
+    let began = std::time::Instant::now();
+    let outer = lock.acquire().await.unwrap();
+    let inner = lock.acquire().await.unwrap();
+    assert_eq!(inner.hold_count(), Some(2));
+    let (outer_lost, inner_lost) = (outer.lost(), inner.lost());
+    within("the outer guard's lost signal", outer_lost).await;
+    let outer_at = began.elapsed();
+    within("the inner guard's lost signal", inner_lost).await;
+    let inner_at = began.elapsed();
+    assert!(outer.is_lost() && inner.is_lost());
+    for at in [outer_at, inner_at] {
+        // Not at the first ttl (the watchdog extended the reign), and not past the cap by
+        // more than a watchdog tick.
+        assert!(
+            at >= cap - ms(100) && at <= cap + ms(150),
+            "lost after {at:?}; ttl {ttl:?}, cap {cap:?}"
+        );
+    }
+    // The store agrees: the reign ran out at the cap, and another owner takes the lock.
+    let theirs = others.lock("capped").reentrant(&Owner::random()).unwrap();
+    let next = theirs
+        .acquire_timeout(ms(500))
+        .await
+        .expect("the capped reign ran out");
+    assert!(next.fencing_token() > outer.fencing_token());
+    assert!(matches!(inner.release().await, Err(Error::NotHeld)));
+    assert!(matches!(outer.release().await, Err(Error::NotHeld)));
+    assert_eq!(next.release().await.unwrap(), 0);
+}
+
+/// With the watchdog off, one hold's `extend` extends the reign's lease: the other guard of
+/// the reign is valid longer too, and the store keeps the reign past the first ttl.
+async fn extend_on_a_hold_extends_the_reign(store: Store) {
+    let ttl = ms(300);
+    let locks = store.manager(opts().ttl(ttl).watchdog(false)).await;
+    let others = store.manager(opts()).await;
+    let lock = locks.lock("extended").reentrant(&Owner::random()).unwrap();
+    let key = lock.key().clone();
+    let outer = lock.acquire().await.unwrap();
+    let inner = lock.acquire().await.unwrap();
+    let first = outer.valid_until();
+    assert!(first <= std::time::Instant::now() + ttl);
+    inner.extend(Duration::from_secs(5)).await.unwrap();
+    // The outer guard shares the reign's lease: its validity moved as well.
+    assert!(
+        outer.valid_until() >= first + Duration::from_secs(4),
+        "the outer guard's validity did not move: {:?} after the first",
+        outer.valid_until().saturating_duration_since(first)
+    );
+    // Past the first ttl (time passing is the point here: there is no event to await).
+    tokio::time::sleep_until((first + ttl).into()).await;
+    assert!(!outer.is_lost() && !inner.is_lost());
+    let info = lock.inspect().await.unwrap().expect("held");
+    assert!(info.held, "{info:?}");
+    assert_eq!(info.reentrant_count, Some(2), "{info:?}");
+    let left = info.remaining.expect("a held lease has a TTL");
+    assert!(left > Duration::from_secs(3), "ttl left {left:?}");
+    // The reign's three keys were extended together.
+    for srv in store.servers() {
+        for k in [key.as_str(), &key.derived("owners"), &key.derived("holds")] {
+            let pttl = srv.cmd(&["PTTL", k]).as_int().unwrap();
+            assert!(pttl > 3000, "{k} PTTL {pttl}");
+        }
+    }
+    let theirs = others.lock("extended").reentrant(&Owner::random()).unwrap();
+    assert!(theirs.try_acquire().await.unwrap().is_none());
+    assert_eq!(inner.release().await.unwrap(), 1);
+    assert_eq!(outer.release().await.unwrap(), 0);
+    assert!(theirs.try_acquire().await.unwrap().is_some());
+}
+
+/// A forgotten hold is not released: it stays counted in the reign, which keeps the lock
+/// until the ttl runs out (the watchdog is off).
+async fn a_forgotten_hold_stays_counted_until_the_ttl(store: Store) {
+    let locks = store.manager(opts().ttl(ms(400)).watchdog(false)).await;
+    let others = store.manager(opts()).await;
+    let lock = locks.lock("forgotten").reentrant(&Owner::random()).unwrap();
+    let outer = lock.acquire().await.unwrap();
+    let inner = lock.acquire().await.unwrap();
+    let expiry = outer.valid_until();
+    let fence = inner.forget();
+    assert_eq!(fence, outer.fencing_token());
+    let info = lock.inspect().await.unwrap().expect("held");
+    assert_eq!(info.reentrant_count, Some(2), "{info:?}");
+    assert_eq!(
+        outer.release().await.unwrap(),
+        1,
+        "the forgotten hold is still counted"
+    );
+    let info = lock.inspect().await.unwrap().expect("held");
+    assert!(info.held, "{info:?}");
+    assert_eq!(info.reentrant_count, Some(1), "{info:?}");
+    let theirs = others
+        .lock("forgotten")
+        .reentrant(&Owner::random())
+        .unwrap();
+    assert!(theirs.try_acquire().await.unwrap().is_none());
+    let next = within("the other owner, after the ttl", theirs.acquire())
+        .await
+        .unwrap();
+    assert!(
+        std::time::Instant::now() >= expiry,
+        "the other owner got in before the forgotten hold's ttl ran out"
+    );
+    assert!(next.fencing_token() > fence);
+    assert_eq!(next.hold_count(), Some(1));
+    assert_eq!(next.release().await.unwrap(), 0);
+}
+
+macro_rules! guard_features {
+    ($($case:ident => $memory:ident, $redis:ident;)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $memory() {
+                $case(Store::memory()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $redis() {
+                $case(Store::redis()).await
+            }
+        )*
+    };
+}
+
+guard_features! {
+    holder_label_shows_while_the_reign_holds =>
+        reentrant_holder_label_shows_while_held_in_memory,
+        reentrant_holder_label_shows_while_held_on_redis;
+    max_hold_ends_a_reign =>
+        max_hold_ends_a_reign_and_fires_lost_on_every_guard_in_memory,
+        max_hold_ends_a_reign_and_fires_lost_on_every_guard_on_redis;
+    extend_on_a_hold_extends_the_reign =>
+        extend_on_a_reentrant_hold_extends_the_reign_in_memory,
+        extend_on_a_reentrant_hold_extends_the_reign_on_redis;
+    a_forgotten_hold_stays_counted_until_the_ttl =>
+        forget_on_a_reentrant_hold_leaves_it_counted_in_memory,
+        forget_on_a_reentrant_hold_leaves_it_counted_on_redis;
+}
+
+/// `max_hold` covers a manual `extend` of a reign too (as `LockOptions::max_hold` says: "the
+/// watchdog's next round brings a longer expiry back to the cap"): the guard is lost at the
+/// cap, and the store frees the lock then, not when the long extension would have run out.
+async fn max_hold_caps_a_manual_extend_of_a_reign(store: Store) {
+    let (ttl, cap) = (ms(300), ms(700));
+    let locks = store.manager(opts().ttl(ttl).max_hold(cap)).await;
+    let others = store.manager(opts()).await;
+    let lock = locks
+        .lock("capped-ext")
+        .reentrant(&Owner::random())
+        .unwrap();
+    let began = std::time::Instant::now();
+    let g = lock.acquire().await.unwrap();
+    g.extend(Duration::from_secs(10)).await.unwrap();
+    within("the lost signal", g.lost()).await;
+    let lost_at = began.elapsed();
+    assert!(
+        lost_at <= cap + ms(150),
+        "lost after {lost_at:?}, cap {cap:?}"
+    );
+    // Within a tick or two of the cap, not 10 s later.
+    let theirs = others
+        .lock("capped-ext")
+        .reentrant(&Owner::random())
+        .unwrap();
+    let next = theirs.acquire_timeout(ms(500)).await;
+    let info = lock.inspect().await.unwrap();
+    let next = next.unwrap_or_else(|e| {
+        panic!(
+            "the reign outlived its max_hold ({e}): lost after {lost_at:?}, cap {cap:?}; \
+             the store still has {info:?}"
+        )
+    });
+    assert!(next.fencing_token() > g.fencing_token());
+    assert_eq!(next.release().await.unwrap(), 0);
+}
+
+guard_features! {
+    max_hold_caps_a_manual_extend_of_a_reign =>
+        max_hold_caps_a_manual_extend_of_a_reign_in_memory,
+        max_hold_caps_a_manual_extend_of_a_reign_on_redis;
 }

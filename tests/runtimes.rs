@@ -22,9 +22,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::{self, Either};
+use redlease::backend::{
+    Acquire, Attempt, Backend, Capabilities, Claim, Lease, NodeTerms, Release, Subscription,
+};
 use redlease::{
-    Acquire, Backend, Lease, LeaseKey, Lock, LockGuard, LockManager, LockOptions, MemoryBackend,
-    RedisBackend, RetryPolicy, Subscription, Token,
+    LeaseKey, Lock, LockGuard, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend,
+    RetryPolicy,
 };
 use support::{sleep_async, wait_for, wait_for_async, RedisServer, Resp};
 
@@ -102,31 +105,42 @@ struct WatchedMemory {
 
 #[async_trait::async_trait]
 impl Backend for WatchedMemory {
-    async fn try_acquire(
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn acquire(
         &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: redlease::Waiting,
+        claim: &Claim,
+        attempt: Attempt,
+        terms: NodeTerms,
     ) -> redlease::Result<Acquire> {
-        self.inner.try_acquire(key, token, ttl, waiting).await
+        self.inner.acquire(claim, attempt, terms).await
     }
 
-    async fn extend(&self, leases: &[Lease<'_>]) -> redlease::Result<Vec<Option<Duration>>> {
-        self.inner.extend(leases).await
+    async fn extend(
+        &self,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> redlease::Result<Vec<Option<Duration>>> {
+        self.inner.extend(leases, terms).await
     }
 
-    async fn release(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.inner.release(key, token).await
+    async fn release(&self, claim: &Claim, how: Release<'_>) -> redlease::Result<Option<u32>> {
+        self.inner.release(claim, how).await
     }
 
-    async fn abandon(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.inner.abandon(key, token).await
-    }
-
-    async fn subscribe(&self, key: &LeaseKey) -> redlease::Result<Subscription> {
+    async fn subscribe(&self, claim: &Claim) -> redlease::Result<Subscription> {
         self.subscribes.fetch_add(1, Ordering::SeqCst);
-        self.inner.subscribe(key).await
+        self.inner.subscribe(claim).await
+    }
+
+    async fn inspect(&self, key: &LeaseKey) -> redlease::Result<Option<LockInfo>> {
+        self.inner.inspect(key).await
+    }
+
+    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> redlease::Result<()> {
+        self.inner.raise_fence(key, at_least).await
     }
 }
 
@@ -247,9 +261,11 @@ async fn smoke(store: &Store<'_>, a: &LockManager, b: &LockManager, env: Env) {
     // A waiter on a second task, blocked in acquire_timeout, is woken by the release. Its
     // fallback re-check comes only after max_delay (10 s) or the holder's TTL (30 s), both
     // past its 5 s timeout: it can only get the lock in time through the release.
-    let waiter_lock = b.lock_with(name, |o| {
-        o.retry(RetryPolicy::notify().max_delay(Duration::from_secs(10)))
-    });
+    let waiter_lock = b
+        .lock_with(name, |o| {
+            o.retry(RetryPolicy::notify().max_delay(Duration::from_secs(10)))
+        })
+        .expect("valid lock options");
     let probe = waiter_lock.clone();
     let waiter = (env.spawn)(Box::pin(async move {
         let ctx = in_tokio();
@@ -284,6 +300,7 @@ async fn smoke(store: &Store<'_>, a: &LockManager, b: &LockManager, env: Env) {
     let wd = "watchdog";
     let g = a
         .lock_with(wd, |o| o.ttl(Duration::from_millis(200)))
+        .expect("valid lock options")
         .acquire()
         .await
         .expect("acquire short-TTL lock");
@@ -309,6 +326,7 @@ async fn smoke(store: &Store<'_>, a: &LockManager, b: &LockManager, env: Env) {
         .lock_with("expiring", |o| {
             o.ttl(Duration::from_millis(100)).watchdog(false)
         })
+        .expect("valid lock options")
         .acquire()
         .await
         .expect("acquire 100 ms lock");

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redlease::{
-    Acquire, Backend, Lease, LeaseKey, LockManager, LockOptions, MemoryBackend, RedisBackend,
-    Subscription, Token, Waiting,
+use redlease::backend::{
+    Acquire, Attempt, Backend, Capabilities, Claim, Lease, NodeTerms, Release, Subscription,
 };
+use redlease::{LeaseKey, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend};
 use support::RedisServer;
 
 const LEASES: usize = 1000;
@@ -127,18 +127,25 @@ struct SlowReply {
 
 #[async_trait::async_trait]
 impl Backend for SlowReply {
-    async fn try_acquire(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-    ) -> redlease::Result<Acquire> {
-        self.inner.try_acquire(key, token, ttl, waiting).await
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
-    async fn extend(&self, leases: &[Lease<'_>]) -> redlease::Result<Vec<Option<Duration>>> {
-        let reply = self.inner.extend(leases).await;
+    async fn acquire(
+        &self,
+        claim: &Claim,
+        attempt: Attempt,
+        terms: NodeTerms,
+    ) -> redlease::Result<Acquire> {
+        self.inner.acquire(claim, attempt, terms).await
+    }
+
+    async fn extend(
+        &self,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> redlease::Result<Vec<Option<Duration>>> {
+        let reply = self.inner.extend(leases, terms).await;
         if self.hold_next.swap(false, Ordering::SeqCst) {
             self.held.notify_one();
             self.release.notified().await;
@@ -146,16 +153,20 @@ impl Backend for SlowReply {
         reply
     }
 
-    async fn release(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.inner.release(key, token).await
+    async fn release(&self, claim: &Claim, how: Release<'_>) -> redlease::Result<Option<u32>> {
+        self.inner.release(claim, how).await
     }
 
-    async fn abandon(&self, key: &LeaseKey, token: &Token) -> redlease::Result<bool> {
-        self.inner.abandon(key, token).await
+    async fn subscribe(&self, claim: &Claim) -> redlease::Result<Subscription> {
+        self.inner.subscribe(claim).await
     }
 
-    async fn subscribe(&self, key: &LeaseKey) -> redlease::Result<Subscription> {
-        self.inner.subscribe(key).await
+    async fn inspect(&self, key: &LeaseKey) -> redlease::Result<Option<LockInfo>> {
+        self.inner.inspect(key).await
+    }
+
+    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> redlease::Result<()> {
+        self.inner.raise_fence(key, at_least).await
     }
 }
 

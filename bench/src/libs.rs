@@ -88,7 +88,7 @@ impl Clients {
             Lib::Redlease | Lib::RedleaseFair => {
                 let lock = self.redlease.lock(key);
                 let lock = if lib == Lib::RedleaseFair {
-                    lock.fair()
+                    lock.fair().expect("Redis serves fair locks")
                 } else {
                     lock
                 };
@@ -166,6 +166,7 @@ impl Clients {
                 self.redlease
                     .lock(key)
                     .fair()
+                    .expect("Redis serves fair locks")
                     .acquire()
                     .await
                     .expect("acquire"),
@@ -198,7 +199,9 @@ impl Held {
     pub async fn release(self) {
         match self {
             Held::Redlease(g, Lib::RedleaseDrop) => drop(g),
-            Held::Redlease(g, _) => g.release().await.expect("release"),
+            Held::Redlease(g, _) => {
+                g.release().await.expect("release");
+            }
             Held::Rslock(g) => g.release().await,
         }
     }

@@ -1,5 +1,6 @@
 //! `MemoryBackend`: leases in this process, with the same semantics as Redis.
 
+use std::any::{Any, TypeId};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -8,12 +9,12 @@ use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 
 use crate::backend::{
-    Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Subscription, Waiting,
+    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Grant, Lease, NodeTerms, Release,
+    Subscription,
 };
 use crate::error::Result;
-use crate::inspect::LockInfo;
-use crate::reentrant::Owner;
-use crate::token::{LeaseKey, Token};
+use crate::info::LockInfo;
+use crate::token::{LeaseKey, Owner, Token};
 
 /// How long an abandoned reentrant hold stays barred (as the Redis backend's tombstones).
 const BARRED: Duration = Duration::from_secs(300);
@@ -39,8 +40,9 @@ const ENDED_KEPT: Duration = Duration::from_secs(3600);
 #[derive(Clone, Debug, Default)]
 pub struct MemoryBackend {
     state: Arc<Mutex<State>>,
-    /// Values of the stampede cache over this backend, shared by its clones.
-    pub(crate) cache: Arc<crate::stampede::MemoryValues>,
+    /// State that layers built on this store keep beside it, one value per type, shared by
+    /// the store's clones (see [`attached`](Self::attached)).
+    attached: Arc<Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>>,
 }
 
 #[derive(Debug, Default)]
@@ -160,16 +162,25 @@ impl State {
         }
     }
 
-    /// Grants `key` to `token`, minting the next fencing token.
-    fn grant(&mut self, key: &LeaseKey, token: &Token, ttl: Duration, now: Instant) -> Acquire {
+    /// Grants `key` to `token`, minting the next fencing token (at least `floor`).
+    fn grant(
+        &mut self,
+        key: &LeaseKey,
+        token: &Token,
+        ttl: Duration,
+        floor: u64,
+        now: Instant,
+    ) -> u64 {
         let expires = now.checked_add(ttl).unwrap_or(now);
         self.leases.insert(key.clone(), (token.clone(), expires));
         let fence = self.fences.entry(key.clone()).or_insert(0);
-        *fence += 1;
-        Acquire::Acquired {
-            fencing_token: *fence,
-            validity: ttl,
-        }
+        *fence = (*fence + 1).max(floor);
+        *fence
+    }
+
+    /// Whether anyone waits for `key`: its live release subscriptions.
+    fn waiters(&self, key: &LeaseKey) -> bool {
+        self.events.get(key).is_some_and(|e| e.strong_count() > 0)
     }
 }
 
@@ -179,8 +190,21 @@ impl MemoryBackend {
         Self::default()
     }
 
+    /// The value of type `T` attached to this store (made with `T::default()` on first use),
+    /// shared by its clones: where a layer built on the store keeps its own state beside the
+    /// leases, without the store knowing of it.
+    pub(crate) fn attached<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
+        let mut map = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+        let any = map
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(T::default()))
+            .clone();
+        any.downcast::<T>()
+            .expect("the value attached under a type's id is of that type")
+    }
+
     /// Runs `f` while `key` is held by `token`, atomically with respect to every lease
-    /// operation (a write fenced by the lease, for the stampede cache).
+    /// operation (a write fenced by the lease).
     pub(crate) fn while_held<R>(
         &self,
         key: &LeaseKey,
@@ -211,57 +235,30 @@ impl MemoryBackend {
 
 #[async_trait]
 impl Backend for MemoryBackend {
-    async fn try_acquire(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-    ) -> Result<Acquire> {
-        self.try_acquire_node(key, token, ttl, waiting, NodeTerms::new())
-            .await
+    /// Everything; the uptime condition of [`NodeTerms`] always holds (an in-process store
+    /// cannot restart under the leases it holds: they go with the process).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
     }
 
-    /// The uptime condition always holds: an in-process store cannot restart under the
-    /// leases it holds (they go with the process).
-    async fn try_acquire_node(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-        terms: NodeTerms,
-    ) -> Result<Acquire> {
+    async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         let now = Instant::now();
         let mut st = self.state();
         st.sweep(now);
-        // Waiters here are the live subscriptions to the key's release event.
-        let waiters = st.events.get(key).is_some_and(|e| e.strong_count() > 0);
-        if matches!(waiting, Waiting::Arriving { .. }) && waiters {
-            let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
-            return Ok(Acquire::Held { remaining });
-        }
-        match st.holder(key, now) {
-            Some((holder, expires)) if holder != token => Ok(Acquire::Held {
-                remaining: Some(*expires - now),
-            }),
-            held => {
-                let replay = held.is_some();
-                let expires = now.checked_add(ttl).unwrap_or(now);
-                st.leases.insert(key.clone(), (token.clone(), expires));
-                let fence = st.fences.entry(key.clone()).or_insert(0);
-                if !replay {
-                    *fence = (*fence + 1).max(terms.get_fence_floor());
-                }
-                Ok(Acquire::Acquired {
-                    fencing_token: *fence,
-                    validity: ttl,
-                })
+        Ok(match &claim.kind {
+            ClaimKind::Plain => plain_acquire(&mut st, claim, attempt, terms, now),
+            ClaimKind::Fair => fair_acquire(&mut st, claim, attempt, terms, now),
+            ClaimKind::Reentrant(owner) => {
+                reentrant_acquire(&mut st, claim, owner, attempt, terms, now)
             }
-        }
+        })
     }
 
-    async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
+    async fn extend(
+        &self,
+        leases: &[Lease<'_>],
+        _terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
         let now = Instant::now();
         let mut st = self.state();
         Ok(leases
@@ -277,14 +274,6 @@ impl Backend for MemoryBackend {
             .collect())
     }
 
-    async fn extend_node(
-        &self,
-        leases: &[Lease<'_>],
-        _terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
-        self.extend(leases).await
-    }
-
     async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
         let mut st = self.state();
         let fence = st.fences.entry(key.clone()).or_insert(0);
@@ -292,35 +281,46 @@ impl Backend for MemoryBackend {
         Ok(())
     }
 
-    async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
+    /// In-process attempts run to completion under one mutex: no late copy can exist, so an
+    /// abandon is a release (of a hold that may have been counted, for a reentrant claim),
+    /// plus leaving the fair queue; an abandoned reentrant hold is also barred, as on Redis.
+    async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
         let now = Instant::now();
         let mut st = self.state();
-        if st.holder(key, now).is_some_and(|(t, _)| t == token) {
+        let key = &claim.key;
+        if let ClaimKind::Reentrant(owner) = &claim.kind {
+            let lease = match how {
+                Release::Confirmed { lease } => Some(lease),
+                _ => None,
+            };
+            return Ok(reentrant_release(
+                &mut st,
+                key,
+                owner,
+                &claim.token,
+                lease,
+                now,
+            ));
+        }
+        let released = if st.holder(key, now).is_some_and(|(t, _)| *t == claim.token) {
             st.leases.remove(key);
             st.wake(key);
             st.wake_head(key, now);
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
-    /// In-process attempts run to completion under one mutex: no late copy can exist, so
-    /// abandoning is releasing, plus leaving the fair queue.
-    async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        let released = self.release(key, token).await?;
-        let now = Instant::now();
-        let mut st = self.state();
-        let Some(q) = st.queues.get_mut(key) else {
-            return Ok(released);
+            Some(0)
+        } else {
+            None
         };
-        let was_head = q.order.front() == Some(token);
-        if q.remove(token) && was_head && st.holder(key, now).is_none() {
-            st.wake_head(key, now);
+        if how == Release::Abandon {
+            if let Some(q) = st.queues.get_mut(key) {
+                let was_head = q.order.front() == Some(&claim.token);
+                if q.remove(&claim.token) && was_head && st.holder(key, now).is_none() {
+                    st.wake_head(key, now);
+                }
+            }
         }
         Ok(released)
     }
 
-    /// Reentrant counts are `None`: this backend has no reentrant layout.
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
         let now = Instant::now();
         let mut st = self.state();
@@ -339,8 +339,17 @@ impl Backend for MemoryBackend {
         Ok((!info.is_blank()).then_some(info))
     }
 
-    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
+    /// A fair claim is woken when the lock is handed to it (released while it was at the
+    /// head of the queue), and not by hand-offs to other waiters; other kinds by releases.
+    async fn subscribe(&self, claim: &Claim) -> Result<Subscription> {
         let mut st = self.state();
+        if claim.kind == ClaimKind::Fair {
+            let event = Arc::new(Event::new());
+            st.targets
+                .insert(claim.token.clone(), Arc::downgrade(&event));
+            return Ok(Subscription::new(event));
+        }
+        let key = &claim.key;
         let event = match st.events.get(key).and_then(Weak::upgrade) {
             Some(e) => e,
             None => {
@@ -351,177 +360,175 @@ impl Backend for MemoryBackend {
         };
         Ok(Subscription::new(event))
     }
+}
 
-    async fn fair_acquire(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        attempt: FairAttempt,
-    ) -> Result<Acquire> {
-        let now = Instant::now();
-        let mut st = self.state();
-        st.sweep(now);
-        let holder = st.holder(key, now).map(|(t, exp)| (t == token, *exp - now));
-        if let Some((true, _)) = holder {
-            // Ours already (a repeated attempt): same as the plain path.
-            return self_replay(&mut st, key, ttl, now);
-        }
-        let q = st.queues.entry(key.clone()).or_default();
-        q.evict(now);
-        let at_head = q.order.front().is_none_or(|head| head == token);
-        if holder.is_none() && at_head {
-            q.remove(token);
-            if q.order.is_empty() {
-                st.queues.remove(key);
-            }
-            return Ok(st.grant(key, token, ttl, now));
-        }
-        if let FairAttempt::Queued { expire } = attempt {
-            if !q.deadlines.contains_key(token) {
-                q.order.push_back(token.clone());
-            }
-            q.deadlines
-                .insert(token.clone(), now.checked_add(expire).unwrap_or(now));
-        }
-        let remaining = match holder {
-            Some((_, pttl)) => Some(pttl),
-            None => {
-                // Free, and another waiter is at the head: wake it (its wake-up may have
-                // been missed), and come back by its deadline at the latest.
-                let head_left = q
-                    .order
-                    .front()
-                    .and_then(|h| q.deadlines.get(h))
-                    .map(|d| d.saturating_duration_since(now));
-                st.wake_head(key, now);
-                head_left
-            }
-        };
-        if st.queues.get(key).is_some_and(|q| q.order.is_empty()) {
-            st.queues.remove(key);
-        }
-        Ok(Acquire::Held { remaining })
+fn plain_acquire(
+    st: &mut State,
+    claim: &Claim,
+    attempt: Attempt,
+    terms: NodeTerms,
+    now: Instant,
+) -> Acquire {
+    let (key, token) = (&claim.key, &claim.token);
+    if matches!(attempt, Attempt::Arriving { .. }) && st.waiters(key) {
+        let remaining = st.holder(key, now).map(|(_, exp)| *exp - now);
+        return Acquire::Held { remaining };
     }
-
-    async fn fair_subscribe(&self, _key: &LeaseKey, token: &Token) -> Result<Subscription> {
-        let event = Arc::new(Event::new());
-        self.state()
-            .targets
-            .insert(token.clone(), Arc::downgrade(&event));
-        Ok(Subscription::new(event))
-    }
-
-    /// As on Redis; the uptime condition always holds (see `try_acquire_node`).
-    async fn reentrant_acquire(
-        &self,
-        key: &LeaseKey,
-        owner: &Owner,
-        hold: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-        terms: NodeTerms,
-    ) -> Result<ReentrantAcquire> {
-        let now = Instant::now();
-        let mut st = self.state();
-        st.sweep(now);
-        let remaining = |st: &State| st.holder(key, now).map(|(_, exp)| *exp - now);
-        if st.barred.get(hold).is_some_and(|until| *until > now) {
-            return Ok(ReentrantAcquire::Held {
-                remaining: remaining(&st),
-            });
+    match st.holder(key, now) {
+        Some((holder, expires)) if holder != token => Acquire::Held {
+            remaining: Some(*expires - now),
+        },
+        Some(_) => self_replay(st, claim, now),
+        None => {
+            let fence = st.grant(key, token, claim.ttl, terms.fence_floor, now);
+            Acquire::Granted(Grant::new(fence, claim.ttl, token.clone()))
         }
-        if let Some(reign) = st.reign(key, now).filter(|r| r.owner == *owner) {
-            reign.holds.insert(hold.clone());
-            let (lease, fence) = (reign.token.clone(), reign.fence);
-            let count = u32::try_from(reign.holds.len()).unwrap_or(u32::MAX);
-            if let Some((_, exp)) = st.leases.get_mut(key) {
-                // Never shortened by a re-entry with a shorter TTL.
-                *exp = (*exp).max(now.checked_add(ttl).unwrap_or(*exp));
-            }
-            return Ok(ReentrantAcquire::Acquired {
-                lease,
-                fencing_token: fence,
-                validity: ttl,
-                count,
-            });
-        }
-        if st.holder(key, now).is_some() {
-            return Ok(ReentrantAcquire::Held {
-                remaining: remaining(&st),
-            });
-        }
-        let waiters = st.events.get(key).is_some_and(|e| e.strong_count() > 0);
-        if matches!(waiting, Waiting::Arriving { .. }) && waiters {
-            return Ok(ReentrantAcquire::Held { remaining: None });
-        }
-        let expires = now.checked_add(ttl).unwrap_or(now);
-        st.leases.insert(key.clone(), (hold.clone(), expires));
-        let fence = st.fences.entry(key.clone()).or_insert(0);
-        *fence = (*fence + 1).max(terms.get_fence_floor());
-        let fence = *fence;
-        st.reigns.insert(
-            key.clone(),
-            Reign {
-                owner: owner.clone(),
-                token: hold.clone(),
-                fence,
-                holds: std::iter::once(hold.clone()).collect(),
-            },
-        );
-        Ok(ReentrantAcquire::Acquired {
-            lease: hold.clone(),
-            fencing_token: fence,
-            validity: ttl,
-            count: 1,
-        })
-    }
-
-    async fn reentrant_release(
-        &self,
-        key: &LeaseKey,
-        owner: &Owner,
-        hold: &Token,
-        lease: Option<&Token>,
-    ) -> Result<Option<u32>> {
-        let now = Instant::now();
-        let mut st = self.state();
-        if lease.is_none() {
-            st.barred
-                .insert(hold.clone(), now.checked_add(BARRED).unwrap_or(now));
-        }
-        if let Some(reign) = st.reign(key, now).filter(|r| r.owner == *owner) {
-            if reign.holds.remove(hold) {
-                if reign.holds.is_empty() {
-                    st.reigns.remove(key);
-                    st.leases.remove(key);
-                    st.ended.insert(key.clone(), (hold.clone(), now));
-                    st.wake(key);
-                    st.wake_head(key, now);
-                    return Ok(Some(0));
-                }
-                return Ok(Some(u32::try_from(reign.holds.len()).unwrap_or(u32::MAX)));
-            }
-            if lease == Some(&reign.token) {
-                // Counted in this reign and gone already: a repeated release.
-                return Ok(Some(u32::try_from(reign.holds.len()).unwrap_or(u32::MAX)));
-            }
-            return Ok(None);
-        }
-        if st.holder(key, now).is_none() && st.ended.get(key).is_some_and(|(h, _)| h == hold) {
-            return Ok(Some(0));
-        }
-        Ok(None)
     }
 }
 
-/// A repeated attempt by the holder: extends, keeps the fencing token.
-fn self_replay(st: &mut State, key: &LeaseKey, ttl: Duration, now: Instant) -> Result<Acquire> {
-    if let Some((_, exp)) = st.leases.get_mut(key) {
-        *exp = now.checked_add(ttl).unwrap_or(*exp);
+/// The fair queue: granted to the head of the queue (or anyone when nobody is queued) when
+/// the key is free; a waiting attempt joins the queue (or refreshes its deadline).
+fn fair_acquire(
+    st: &mut State,
+    claim: &Claim,
+    attempt: Attempt,
+    terms: NodeTerms,
+    now: Instant,
+) -> Acquire {
+    let (key, token) = (&claim.key, &claim.token);
+    let holder = st.holder(key, now).map(|(t, exp)| (t == token, *exp - now));
+    if let Some((true, _)) = holder {
+        // Ours already (a repeated attempt): same as the plain path.
+        return self_replay(st, claim, now);
     }
-    Ok(Acquire::Acquired {
-        fencing_token: st.fences.get(key).copied().unwrap_or(0),
-        validity: ttl,
-    })
+    let q = st.queues.entry(key.clone()).or_default();
+    q.evict(now);
+    let at_head = q.order.front().is_none_or(|head| head == token);
+    if holder.is_none() && at_head {
+        q.remove(token);
+        if q.order.is_empty() {
+            st.queues.remove(key);
+        }
+        let fence = st.grant(key, token, claim.ttl, terms.fence_floor, now);
+        return Acquire::Granted(Grant::new(fence, claim.ttl, token.clone()));
+    }
+    if let Some(expire) = attempt.keep_waiter() {
+        if !q.deadlines.contains_key(token) {
+            q.order.push_back(token.clone());
+        }
+        q.deadlines
+            .insert(token.clone(), now.checked_add(expire).unwrap_or(now));
+    }
+    let remaining = match holder {
+        Some((_, pttl)) => Some(pttl),
+        None => {
+            // Free, and another waiter is at the head: wake it (its wake-up may have been
+            // missed), and come back by its deadline at the latest.
+            let head_left = q
+                .order
+                .front()
+                .and_then(|h| q.deadlines.get(h))
+                .map(|d| d.saturating_duration_since(now));
+            st.wake_head(key, now);
+            head_left
+        }
+    };
+    if st.queues.get(key).is_some_and(|q| q.order.is_empty()) {
+        st.queues.remove(key);
+    }
+    Acquire::Held { remaining }
+}
+
+/// As on Redis: a new reign when free, one more hold for the reign's owner.
+fn reentrant_acquire(
+    st: &mut State,
+    claim: &Claim,
+    owner: &Owner,
+    attempt: Attempt,
+    terms: NodeTerms,
+    now: Instant,
+) -> Acquire {
+    let (key, hold, ttl) = (&claim.key, &claim.token, claim.ttl);
+    let remaining = |st: &State| st.holder(key, now).map(|(_, exp)| *exp - now);
+    if st.barred.get(hold).is_some_and(|until| *until > now) {
+        return Acquire::Held {
+            remaining: remaining(st),
+        };
+    }
+    if let Some(reign) = st.reign(key, now).filter(|r| r.owner == *owner) {
+        reign.holds.insert(hold.clone());
+        let (lease, fence) = (reign.token.clone(), reign.fence);
+        let count = u32::try_from(reign.holds.len()).unwrap_or(u32::MAX);
+        if let Some((_, exp)) = st.leases.get_mut(key) {
+            // Never shortened by a re-entry with a shorter TTL.
+            *exp = (*exp).max(now.checked_add(ttl).unwrap_or(*exp));
+        }
+        return Acquire::Granted(Grant::new(fence, ttl, lease).with_hold_count(count));
+    }
+    if st.holder(key, now).is_some() {
+        return Acquire::Held {
+            remaining: remaining(st),
+        };
+    }
+    if matches!(attempt, Attempt::Arriving { .. }) && st.waiters(key) {
+        return Acquire::Held { remaining: None };
+    }
+    let fence = st.grant(key, hold, ttl, terms.fence_floor, now);
+    st.reigns.insert(
+        key.clone(),
+        Reign {
+            owner: owner.clone(),
+            token: hold.clone(),
+            fence,
+            holds: std::iter::once(hold.clone()).collect(),
+        },
+    );
+    Acquire::Granted(Grant::new(fence, ttl, hold.clone()).with_hold_count(1))
+}
+
+/// Takes `hold` out of its owner's reign; see [`Backend::release`]. `lease`: the reign's
+/// token as the caller knows it, `None` for an abandon (the hold is barred too).
+fn reentrant_release(
+    st: &mut State,
+    key: &LeaseKey,
+    owner: &Owner,
+    hold: &Token,
+    lease: Option<&Token>,
+    now: Instant,
+) -> Option<u32> {
+    if lease.is_none() {
+        st.barred
+            .insert(hold.clone(), now.checked_add(BARRED).unwrap_or(now));
+    }
+    if let Some(reign) = st.reign(key, now).filter(|r| r.owner == *owner) {
+        if reign.holds.remove(hold) {
+            if reign.holds.is_empty() {
+                st.reigns.remove(key);
+                st.leases.remove(key);
+                st.ended.insert(key.clone(), (hold.clone(), now));
+                st.wake(key);
+                st.wake_head(key, now);
+                return Some(0);
+            }
+            return Some(u32::try_from(reign.holds.len()).unwrap_or(u32::MAX));
+        }
+        if lease == Some(&reign.token) {
+            // Counted in this reign and gone already: a repeated release.
+            return Some(u32::try_from(reign.holds.len()).unwrap_or(u32::MAX));
+        }
+        return None;
+    }
+    if st.holder(key, now).is_none() && st.ended.get(key).is_some_and(|(h, _)| h == hold) {
+        return Some(0);
+    }
+    None
+}
+
+/// A repeated attempt by the holder: extends, keeps the fencing token.
+fn self_replay(st: &mut State, claim: &Claim, now: Instant) -> Acquire {
+    if let Some((_, exp)) = st.leases.get_mut(&claim.key) {
+        *exp = now.checked_add(claim.ttl).unwrap_or(*exp);
+    }
+    let fence = st.fences.get(&claim.key).copied().unwrap_or(0);
+    Acquire::Granted(Grant::new(fence, claim.ttl, claim.token.clone()))
 }

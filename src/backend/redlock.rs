@@ -6,6 +6,10 @@
 //! when it is needed for the majority. Every call is handed to its node's connection before
 //! any decision; a call still out when the outcome is decided is dropped, but what it sent
 //! runs on the node all the same (a release is sent even if nobody waits for it).
+//!
+//! Every kind of claim the nodes serve runs through the same round: nodes grant under a
+//! lease token (a reentrant hold's reign may differ from node to node), and a majority must
+//! agree on one.
 
 use std::fmt;
 use std::future::Future;
@@ -16,17 +20,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use futures::future;
-use futures::stream::{FuturesUnordered, StreamExt};
 
-use crate::backend::redis::{RedisBackend, RedisOptions};
 use crate::backend::{
-    not_sent, Acquire, Backend, FairAttempt, Lease, NodeTerms, ReentrantAcquire, Subscription,
-    Waiting,
+    not_sent, short_debug, Acquire, Attempt, Backend, Capabilities, Claim, Grant, Lease, NodeTerms,
+    Release, Subscription,
 };
 use crate::error::{Error, Result};
-use crate::inspect::LockInfo;
+use crate::info::LockInfo;
 use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
-use crate::reentrant::Owner;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
@@ -43,16 +44,23 @@ const FLOOR_LEAD: Duration = Duration::from_secs(1);
 ///     .node_timeout(Duration::from_millis(20))
 ///     .retries(5)
 ///     .max_lease(Duration::from_secs(60));
-/// assert_eq!(opts.get_node_timeout(), Duration::from_millis(20));
+/// assert_eq!(opts.node_timeout, Duration::from_millis(20));
 /// ```
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct RedlockOptions {
-    node_timeout: Duration,
-    drift_factor: f64,
-    retries: u32,
-    retry_delay: Duration,
-    max_lease: Option<Duration>,
-    restart_guard: bool,
+    /// How long one node may take to answer one call. Default 50 ms.
+    pub node_timeout: Duration,
+    /// The clock-drift margin, as a share of the TTL (plus 2 ms). Default 0.01.
+    pub drift_factor: f64,
+    /// How many more rounds an attempt makes when too few nodes answered. Default 3.
+    pub retries: u32,
+    /// The most a retry waits (at random). Default 200 ms.
+    pub retry_delay: Duration,
+    /// The longest TTL any client sets on these nodes; `None`: each lease's own TTL.
+    pub max_lease: Option<Duration>,
+    /// Whether a recently restarted node is kept out of every majority. Default `true`.
+    pub restart_guard: bool,
 }
 
 impl Default for RedlockOptions {
@@ -125,37 +133,7 @@ impl RedlockOptions {
         self
     }
 
-    /// See [`restart_guard`](Self::restart_guard).
-    pub fn get_restart_guard(&self) -> bool {
-        self.restart_guard
-    }
-
-    /// See [`node_timeout`](Self::node_timeout).
-    pub fn get_node_timeout(&self) -> Duration {
-        self.node_timeout
-    }
-
-    /// See [`drift_factor`](Self::drift_factor).
-    pub fn get_drift_factor(&self) -> f64 {
-        self.drift_factor
-    }
-
-    /// See [`retries`](Self::retries).
-    pub fn get_retries(&self) -> u32 {
-        self.retries
-    }
-
-    /// See [`retry_delay`](Self::retry_delay).
-    pub fn get_retry_delay(&self) -> Duration {
-        self.retry_delay
-    }
-
-    /// See [`max_lease`](Self::max_lease).
-    pub fn get_max_lease(&self) -> Option<Duration> {
-        self.max_lease
-    }
-
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.node_timeout.is_zero() || self.node_timeout > Duration::from_secs(60) {
             return Err(Error::invalid(format!(
                 "Redlock node_timeout must be more than zero and at most 60 s, got {:?}",
@@ -186,8 +164,8 @@ impl RedlockOptions {
 }
 
 /// A lock over N independent stores (Redis masters with no replication between them, or any
-/// [`Backend`]s that implement the node methods), held when a majority grants it: the
-/// Redlock algorithm. It is itself a [`Backend`], so [`LockManager`](crate::LockManager),
+/// [`Backend`]s that can be quorum nodes, see [`Capabilities::node`]), held when a majority
+/// grants it: the Redlock algorithm. It is itself a [`Backend`], so [`LockManager`](crate::LockManager),
 /// guards, the watchdog, drop release, fencing tokens and cancel safety work unchanged.
 ///
 /// # What it does
@@ -222,7 +200,10 @@ impl RedlockOptions {
 ///
 /// [`LockGuard::fencing_token`]: crate::LockGuard::fencing_token
 ///
-/// Fair locks are not supported over Redlock.
+/// Fair locks are not supported over Redlock (a FIFO queue over independent nodes would need
+/// its own quorum protocol): a fair lock over it is refused when it is made. Reentrant locks
+/// are, when every node has them: each node counts the holds, and a majority must agree on
+/// one reign.
 ///
 /// ```
 /// use std::time::Duration;
@@ -252,10 +233,9 @@ impl fmt::Debug for Redlock {
 /// One node's answer, or `None` if it had not answered when the outcome was decided.
 type Replies<T> = Vec<Option<Result<T>>>;
 
-/// What one acquire round came to; `A` is the answer of a won round (its validity counted
-/// from the start of the whole call).
-enum Round<A> {
-    Acquired(A),
+/// What one acquire round came to.
+enum Round {
+    Acquired(Grant),
     /// Another client holds it: no node granted, and a majority can no longer.
     Held(Option<Duration>),
     /// This client and another split the nodes between them: both release and retry.
@@ -268,9 +248,13 @@ enum Round<A> {
     },
 }
 
-/// The answers of one acquire round, counted.
+/// The answers of one acquire round, counted. Nodes may grant under different lease tokens
+/// (a reentrant hold: a node where the owner's reign had expired starts a new one): only
+/// nodes that agree on one lease make a majority.
 #[derive(Default)]
 struct Votes {
+    /// The most nodes granting under one lease token.
+    agreeing: usize,
     granted: usize,
     held: usize,
     warming: usize,
@@ -280,14 +264,22 @@ struct Votes {
 impl Votes {
     fn of(replies: &Replies<Acquire>) -> Votes {
         let mut v = Votes::default();
+        let mut leases: Vec<(&Token, usize)> = Vec::new();
         for reply in replies.iter().flatten() {
             match reply {
-                Ok(Acquire::Acquired { .. }) => v.granted += 1,
+                Ok(Acquire::Granted(g)) => {
+                    v.granted += 1;
+                    match leases.iter_mut().find(|(t, _)| **t == g.lease) {
+                        Some((_, n)) => *n += 1,
+                        None => leases.push((&g.lease, 1)),
+                    }
+                }
                 Ok(Acquire::Held { .. }) => v.held += 1,
                 Ok(Acquire::Warming { .. }) => v.warming += 1,
                 Err(_) => v.failed += 1,
             }
         }
+        v.agreeing = leases.iter().map(|(_, n)| *n).max().unwrap_or(0);
         v
     }
 
@@ -322,85 +314,28 @@ impl Redlock {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] if `nodes` is empty or an option is out of range.
+    /// [`Error::InvalidConfig`] if `nodes` is empty or an option is out of range;
+    /// [`Error::Unsupported`] for a node that cannot be a quorum member (see
+    /// [`Capabilities::node`]). Nodes of different kinds go in as `Arc<dyn Backend>`s.
     pub fn with_options<B: Backend>(
         nodes: impl IntoIterator<Item = B>,
         options: RedlockOptions,
     ) -> Result<Self> {
-        let nodes = nodes
+        options.validate()?;
+        let nodes: Vec<Arc<dyn Backend>> = nodes
             .into_iter()
             .map(|b| Arc::new(b) as Arc<dyn Backend>)
             .collect();
-        Self::from_shared(nodes, options)
-    }
-
-    /// A Redlock over nodes of different kinds.
-    ///
-    /// # Errors
-    ///
-    /// As [`with_options`](Self::with_options).
-    pub fn from_shared(nodes: Vec<Arc<dyn Backend>>, options: RedlockOptions) -> Result<Self> {
-        options.validate()?;
         if nodes.is_empty() {
             return Err(Error::invalid("a Redlock needs at least one node"));
         }
+        if let Some(node) = nodes.iter().find(|n| !n.capabilities().node) {
+            return Err(Error::Unsupported(format!(
+                "this backend cannot be a Redlock node (it does not honour NodeTerms): {}",
+                short_debug(node)
+            )));
+        }
         Ok(Redlock { nodes, options })
-    }
-
-    /// Connects to one Redis server per URL (independent masters), with default options.
-    /// Returns once a majority is connected; the others keep connecting in the background.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidConfig`] for a bad URL or no URL; [`Error::QuorumNotReached`] if a
-    /// majority does not connect within the connect timeout.
-    pub async fn connect(urls: &[&str]) -> Result<Self> {
-        Self::connect_with(urls, RedisOptions::default(), RedlockOptions::default()).await
-    }
-
-    /// [`connect`](Self::connect) with connection and Redlock options.
-    ///
-    /// # Errors
-    ///
-    /// As [`connect`](Self::connect).
-    pub async fn connect_with(
-        urls: &[&str],
-        redis: RedisOptions,
-        options: RedlockOptions,
-    ) -> Result<Self> {
-        options.validate()?;
-        if urls.is_empty() {
-            return Err(Error::invalid("a Redlock needs at least one node URL"));
-        }
-        for (i, url) in urls.iter().enumerate() {
-            if urls[..i].contains(url) {
-                return Err(Error::invalid(format!(
-                    "Redlock node {url} is listed twice: one server would count as two nodes"
-                )));
-            }
-        }
-        let mut nodes = Vec::with_capacity(urls.len());
-        for url in urls {
-            nodes.push(RedisBackend::connect_lazy(url, redis.clone()).await?);
-        }
-        let required = urls.len() / 2 + 1;
-        let deadline = Instant::now() + redis.get_connect_timeout();
-        let mut connecting: FuturesUnordered<_> = nodes.iter().map(RedisBackend::ready).collect();
-        let mut connected = 0;
-        while connected < required {
-            match runtime::until(Some(deadline), connecting.next()).await {
-                Some(Some(true)) => connected += 1,
-                Some(Some(false)) => {}
-                Some(None) | None => {
-                    return Err(Error::QuorumNotReached {
-                        acquired: connected,
-                        required,
-                    })
-                }
-            }
-        }
-        drop(connecting);
-        Self::with_options(nodes, options)
     }
 
     /// How many nodes.
@@ -487,26 +422,24 @@ impl Redlock {
     /// returned validity is counted from.
     async fn round(
         &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
+        claim: &Claim,
+        attempt: Attempt,
         terms: NodeTerms,
         call_start: Instant,
-    ) -> Round<Acquire> {
+    ) -> Round {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
-        let mut validity = self.validity(ttl);
+        let mut validity = self.validity(claim.ttl);
         let timeout = self.options.node_timeout.min(validity / 2);
         let terms = terms.fence_floor(fence_floor());
         let replies = self
             .fan_out(
                 0..n,
                 timeout,
-                |node| node.try_acquire_node(key, token, ttl, waiting, terms),
+                |node| node.acquire(claim, attempt, terms),
                 |r| {
                     let v = Votes::of(r);
-                    v.granted >= q || v.refused() > n - q
+                    v.agreeing >= q || v.refused() > n - q
                 },
             )
             .await;
@@ -514,22 +447,22 @@ impl Redlock {
         let cut_short = started.elapsed() < timeout;
         let votes = Votes::of(&replies);
 
-        let mut granted = Vec::new();
+        // Granting nodes by lease token, the largest group first.
+        let mut leases: Vec<(Token, Vec<(usize, &Grant)>)> = Vec::new();
         let mut held: Option<Duration> = None;
         let mut warming: Option<Duration> = None;
-        // Nodes that may hold our token now and are answering: released and waited for.
-        let mut known = Vec::new();
+        // Nodes that may hold the claim now and are answering: released and waited for.
+        let mut answering = Vec::new();
         // Nodes that may hold it and are slow or failing: released, not waited for.
         let mut unknown = Vec::new();
         for (i, reply) in replies.iter().enumerate() {
             match reply {
-                Some(Ok(Acquire::Acquired {
-                    fencing_token,
-                    validity: v,
-                })) => {
-                    validity = validity.min(*v);
-                    granted.push((i, *fencing_token));
-                    known.push(i);
+                Some(Ok(Acquire::Granted(g))) => {
+                    validity = validity.min(g.validity);
+                    match leases.iter_mut().find(|(t, _)| *t == g.lease) {
+                        Some((_, nodes)) => nodes.push((i, g)),
+                        None => leases.push((g.lease.clone(), vec![(i, g)])),
+                    }
                 }
                 Some(Ok(Acquire::Held { remaining })) => held = soonest(held, *remaining),
                 Some(Ok(Acquire::Warming { remaining })) => {
@@ -538,45 +471,77 @@ impl Redlock {
                 // Failed before anything was sent: nothing to take back.
                 Some(Err(e)) if not_sent(e) => {}
                 // Not answered yet when the round was decided: it may grant any moment.
-                None if cut_short => known.push(i),
+                None if cut_short => answering.push(i),
                 // Failed or silent: it may have granted all the same.
                 Some(Err(_)) | None => unknown.push(i),
             }
         }
+        leases.sort_by_key(|(_, nodes)| std::cmp::Reverse(nodes.len()));
 
-        if granted.len() >= q && started.elapsed() < validity {
-            let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
-            let confirmed = self
-                .write_back(key, fence, &granted, started + validity)
-                .await;
-            if confirmed >= q && started.elapsed() < validity {
-                return Round::Acquired(Acquire::Acquired {
-                    fencing_token: fence,
-                    validity: validity + started.saturating_duration_since(call_start),
-                });
+        let mut outcome = None;
+        if let Some((lease, nodes)) = leases.first() {
+            if nodes.len() >= q && started.elapsed() < validity {
+                let fence = nodes
+                    .iter()
+                    .map(|(_, g)| g.fencing_token)
+                    .max()
+                    .unwrap_or(0);
+                let granted: Vec<(usize, u64)> =
+                    nodes.iter().map(|(i, g)| (*i, g.fencing_token)).collect();
+                let confirmed = self
+                    .write_back(&claim.key, fence, &granted, started + validity)
+                    .await;
+                if confirmed >= q && started.elapsed() < validity {
+                    let validity = validity + started.saturating_duration_since(call_start);
+                    let mut grant = Grant::new(fence, validity, lease.clone());
+                    // The largest count: a node counts less only when it missed holds (it
+                    // was down or slow then); a hold counted outside the majority's reign is
+                    // taken back at once.
+                    grant.hold_count = nodes.iter().filter_map(|(_, g)| g.hold_count).max();
+                    outcome = Some(grant);
+                }
             }
         }
-
-        // Not ours: take back what may have been granted. Sent before any next round with
-        // this token, so it runs before it on every node (a RedisBackend keeps one queue).
-        // Waited for where the node answered (it is reachable), so that a failed attempt
-        // has left nothing behind there when it returns.
-        let answered: Vec<usize> = known.clone();
-        self.fan_out(
-            known.into_iter().chain(unknown),
-            self.options.node_timeout,
-            |node| node.release(key, token),
-            |r| answered.iter().all(|&i| r[i].is_some()),
-        )
-        .await;
-
+        // Take the claim back where it must not stay: everywhere if the round failed, or on
+        // the nodes that granted it under another lease if it succeeded. Sent before any next
+        // round with this claim, so it runs before it on every node (a RedisBackend keeps one
+        // queue). Waited for where the node answered (it is reachable), so that a failed
+        // attempt has left nothing behind there when it returns.
+        let keep = usize::from(outcome.is_some());
+        let mut undo: Vec<usize> = leases
+            .iter()
+            .skip(keep)
+            .flat_map(|(_, nodes)| nodes.iter().map(|(i, _)| *i))
+            .collect();
+        if outcome.is_none() {
+            undo.extend(answering);
+        }
+        let waited = undo.clone();
+        if outcome.is_none() {
+            undo.extend(unknown);
+        }
+        if !undo.is_empty() {
+            let own = Release::Confirmed {
+                lease: &claim.token,
+            };
+            self.fan_out(
+                undo,
+                self.options.node_timeout,
+                |node| node.release(claim, own),
+                |r| waited.iter().all(|&i| r[i].is_some()),
+            )
+            .await;
+        }
+        if let Some(grant) = outcome {
+            return Round::Acquired(grant);
+        }
         if votes.held > 0 && votes.granted > 0 {
             Round::Split(held)
         } else if votes.held > 0 {
             Round::Held(held)
         } else {
             Round::Unavailable {
-                granted: granted.len(),
+                granted: votes.agreeing,
                 // Only worth waiting for if they would make the majority.
                 warming: warming.filter(|_| votes.granted + votes.warming >= q),
             }
@@ -588,20 +553,15 @@ impl Redlock {
     /// Then a split is reported as contention (`held`), too few nodes as
     /// [`Error::QuorumNotReached`]. A waiting acquire that only restarted nodes keep from a
     /// majority gets `warming`, to wait for them.
-    async fn rounds<A, Fut>(
-        &self,
-        waiting: Waiting,
-        held: impl Fn(Option<Duration>) -> A,
-        warming: impl Fn(Duration) -> A,
-        round: impl Fn() -> Fut,
-    ) -> Result<A>
+    async fn rounds<Fut>(&self, attempt: Attempt, round: impl Fn() -> Fut) -> Result<Acquire>
     where
-        Fut: Future<Output = Round<A>>,
+        Fut: Future<Output = Round>,
     {
+        let held = |remaining| Acquire::Held { remaining };
         let mut best = 0;
         let mut split = None;
-        for attempt in 0..=self.options.retries {
-            if attempt > 0 {
+        for round_no in 0..=self.options.retries {
+            if round_no > 0 {
                 let delay = self
                     .options
                     .retry_delay
@@ -609,7 +569,7 @@ impl Redlock {
                 runtime::sleep(delay).await;
             }
             match round().await {
-                Round::Acquired(acquired) => return Ok(acquired),
+                Round::Acquired(grant) => return Ok(Acquire::Granted(grant)),
                 Round::Held(remaining) => return Ok(held(remaining)),
                 // Both contenders took back their part: try again after a random delay, so
                 // that one of them gets there first.
@@ -617,7 +577,7 @@ impl Redlock {
                 Round::Unavailable {
                     warming: Some(remaining),
                     ..
-                } if waiting.recheck().is_some() => return Ok(warming(remaining)),
+                } if attempt.recheck().is_some() => return Ok(Acquire::Warming { remaining }),
                 Round::Unavailable { granted, .. } => {
                     split = None;
                     best = best.max(granted);
@@ -665,43 +625,39 @@ impl Redlock {
         level + replies.iter().filter(|r| matches!(r, Some(Ok(())))).count()
     }
 
-    /// Release or abandon on every node; `true` if a majority held the lease.
-    async fn release_all(&self, key: &LeaseKey, token: &Token, abandon: bool) -> Result<bool> {
+    /// Gives `claim` back on every node; the holds left are the largest among the nodes that
+    /// answered. `None` when more nodes than a majority can spare did not hold it.
+    async fn release_all(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
         let (n, q) = (self.nodes.len(), self.quorum());
+        let counted = |r: &Replies<Option<u32>>| {
+            let yes = r.iter().filter(|x| matches!(x, Some(Ok(Some(_))))).count();
+            let no = r.iter().filter(|x| matches!(x, Some(Ok(None)))).count();
+            (yes, no)
+        };
         let replies = self
             .fan_out(
                 0..n,
                 self.options.node_timeout,
-                |node| async move {
-                    if abandon {
-                        node.abandon(key, token).await
-                    } else {
-                        node.release(key, token).await
-                    }
-                },
+                |node| node.release(claim, how),
                 |r| {
-                    let released = r.iter().filter(|x| matches!(x, Some(Ok(true)))).count();
-                    let not_ours = r.iter().filter(|x| matches!(x, Some(Ok(false)))).count();
+                    let (yes, no) = counted(r);
                     // Decided; the releases still out run on their nodes all the same.
-                    released >= q || not_ours > n - q
+                    yes >= q || no > n - q
                 },
             )
             .await;
-        let released = replies
-            .iter()
-            .filter(|x| matches!(x, Some(Ok(true))))
-            .count();
-        let not_ours = replies
-            .iter()
-            .filter(|x| matches!(x, Some(Ok(false))))
-            .count();
-        if released >= q {
-            Ok(true)
-        } else if not_ours > n - q {
-            Ok(false)
+        let (yes, no) = counted(&replies);
+        if yes >= q {
+            let left = replies.iter().filter_map(|x| match x {
+                Some(Ok(Some(left))) => Some(*left),
+                _ => None,
+            });
+            Ok(Some(left.max().unwrap_or(0)))
+        } else if no > n - q {
+            Ok(None)
         } else {
             Err(Error::QuorumNotReached {
-                acquired: released,
+                acquired: yes,
                 required: q,
             })
         }
@@ -727,25 +683,32 @@ fn fence_floor() -> u64 {
 
 #[async_trait]
 impl Backend for Redlock {
-    async fn try_acquire(
-        &self,
-        key: &LeaseKey,
-        token: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-    ) -> Result<Acquire> {
-        let call_start = Instant::now();
-        let terms = self.terms(ttl)?;
-        self.rounds(
-            waiting,
-            |remaining| Acquire::Held { remaining },
-            |remaining| Acquire::Warming { remaining },
-            || self.round(key, token, ttl, waiting, terms, call_start),
-        )
-        .await
+    /// Reentrant when every node is; never fair; not a node itself.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            fair: false,
+            reentrant: self.nodes.iter().all(|n| n.capabilities().reentrant),
+            node: false,
+        }
     }
 
-    async fn extend(&self, leases: &[Lease<'_>]) -> Result<Vec<Option<Duration>>> {
+    /// `terms` is ignored: the Redlock's own (restart guard, fail-fast, a common fence
+    /// floor) go to the nodes.
+    async fn acquire(&self, claim: &Claim, attempt: Attempt, _terms: NodeTerms) -> Result<Acquire> {
+        let call_start = Instant::now();
+        // Refuses a fair claim: a FIFO queue over independent nodes would need its own
+        // quorum protocol.
+        self.capabilities().check(&claim.kind, self)?;
+        let terms = self.terms(claim.ttl)?;
+        self.rounds(attempt, || self.round(claim, attempt, terms, call_start))
+            .await
+    }
+
+    async fn extend(
+        &self,
+        leases: &[Lease<'_>],
+        _terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
         if leases.is_empty() {
@@ -761,7 +724,7 @@ impl Backend for Redlock {
             .fan_out(
                 0..n,
                 timeout,
-                |node| node.extend_node(leases, terms),
+                |node| node.extend(leases, terms),
                 |r| (0..count).all(|i| tally(r, i).decided(n, q)),
             )
             .await;
@@ -795,24 +758,20 @@ impl Backend for Redlock {
         Ok(out)
     }
 
-    async fn release(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        self.release_all(key, token, false).await
-    }
-
-    async fn abandon(&self, key: &LeaseKey, token: &Token) -> Result<bool> {
-        self.release_all(key, token, true).await
+    async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
+        self.release_all(claim, how).await
     }
 
     /// Wakes on a release seen by any node. Returns once a majority (or every node) has
     /// answered, or after the node timeout: a release reaches every node, so one subscribed
     /// node is enough, and the waiter's fallback re-check covers the rest.
-    async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
+    async fn subscribe(&self, claim: &Claim) -> Result<Subscription> {
         let (n, q) = (self.nodes.len(), self.quorum());
         let replies = self
             .fan_out(
                 0..n,
                 self.options.node_timeout,
-                |node| node.subscribe(key),
+                |node| node.subscribe(claim),
                 |r| r.iter().filter(|x| matches!(x, Some(Ok(_)))).count() >= q,
             )
             .await;
@@ -850,262 +809,28 @@ impl Backend for Redlock {
         Ok(agree(&answers, q))
     }
 
-    /// Refused: a FIFO queue over independent nodes would need its own quorum protocol.
-    async fn fair_acquire(
-        &self,
-        _key: &LeaseKey,
-        _token: &Token,
-        _ttl: Duration,
-        _attempt: FairAttempt,
-    ) -> Result<Acquire> {
-        Err(Error::invalid(
-            "fair locks are not supported over Redlock yet: turn `fair` off for this lock, \
-             or use a single RedisBackend",
-        ))
-    }
-
-    /// Per-node counters, majority as for plain locks: every node counts the hold in its
-    /// own reign, a majority must agree on one reign (its lease token) within the validity,
-    /// and the fencing token is the majority's largest, written back. `terms` is ignored:
-    /// the Redlock's own (restart guard, fail-fast, a common fence floor) go to the nodes.
-    async fn reentrant_acquire(
-        &self,
-        key: &LeaseKey,
-        owner: &Owner,
-        hold: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-        _terms: NodeTerms,
-    ) -> Result<ReentrantAcquire> {
-        let call_start = Instant::now();
-        let terms = self.terms(ttl)?;
-        self.rounds(
-            waiting,
-            |remaining| ReentrantAcquire::Held { remaining },
-            |remaining| ReentrantAcquire::Warming { remaining },
-            || self.reentrant_round(key, owner, hold, ttl, waiting, terms, call_start),
-        )
-        .await
-    }
-
-    /// On every node; the count left is the largest among the nodes that answered. `None` when more
-    /// nodes than a majority can spare do not count the hold.
-    async fn reentrant_release(
-        &self,
-        key: &LeaseKey,
-        owner: &Owner,
-        hold: &Token,
-        lease: Option<&Token>,
-    ) -> Result<Option<u32>> {
+    /// On every node; done when a majority raised it.
+    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
         let (n, q) = (self.nodes.len(), self.quorum());
-        let counted = |r: &Replies<Option<u32>>| {
-            let yes = r.iter().filter(|x| matches!(x, Some(Ok(Some(_))))).count();
-            let no = r.iter().filter(|x| matches!(x, Some(Ok(None)))).count();
-            (yes, no)
-        };
+        let done = |r: &Replies<()>| r.iter().filter(|x| matches!(x, Some(Ok(())))).count();
         let replies = self
             .fan_out(
                 0..n,
                 self.options.node_timeout,
-                |node| node.reentrant_release(key, owner, hold, lease),
-                |r| {
-                    let (yes, no) = counted(r);
-                    yes >= q || no > n - q
-                },
+                |node| node.raise_fence(key, at_least),
+                |r| done(r) >= q,
             )
             .await;
-        let (yes, no) = counted(&replies);
-        if yes >= q {
-            let left = replies.iter().filter_map(|x| match x {
-                Some(Ok(Some(left))) => Some(*left),
-                _ => None,
-            });
-            Ok(Some(reported_count(left)))
-        } else if no > n - q {
-            Ok(None)
+        let raised = done(&replies);
+        if raised >= q {
+            Ok(())
         } else {
             Err(Error::QuorumNotReached {
-                acquired: yes,
+                acquired: raised,
                 required: q,
             })
         }
     }
-}
-
-/// One node's grant in a reentrant round: (node, fencing token, count).
-type Grant = (usize, u64, u32);
-
-/// The answers of one reentrant acquire round, counted. Nodes may grant under different
-/// lease tokens (a node where the owner's reign had expired starts a new one): only nodes
-/// that agree on one reign make a majority.
-#[derive(Default)]
-struct ReentrantVotes {
-    /// The most nodes granting under one lease token.
-    agreeing: usize,
-    granted: usize,
-    held: usize,
-    warming: usize,
-    failed: usize,
-}
-
-impl ReentrantVotes {
-    fn of(replies: &Replies<ReentrantAcquire>) -> Self {
-        let mut v = ReentrantVotes::default();
-        let mut leases: Vec<(&Token, usize)> = Vec::new();
-        for reply in replies.iter().flatten() {
-            match reply {
-                Ok(ReentrantAcquire::Acquired { lease, .. }) => {
-                    v.granted += 1;
-                    match leases.iter_mut().find(|(t, _)| *t == lease) {
-                        Some((_, n)) => *n += 1,
-                        None => leases.push((lease, 1)),
-                    }
-                }
-                Ok(ReentrantAcquire::Held { .. }) => v.held += 1,
-                Ok(ReentrantAcquire::Warming { .. }) => v.warming += 1,
-                Err(_) => v.failed += 1,
-            }
-        }
-        v.agreeing = leases.iter().map(|(_, n)| *n).max().unwrap_or(0);
-        v
-    }
-
-    fn refused(&self) -> usize {
-        self.held + self.warming + self.failed
-    }
-}
-
-impl Redlock {
-    /// One round of a reentrant acquire: as [`round`](Self::round), with per-node counters.
-    /// A majority must agree on one reign (lease token); the hold is taken back from every
-    /// node outside it that may have counted it.
-    #[allow(clippy::too_many_arguments)]
-    async fn reentrant_round(
-        &self,
-        key: &LeaseKey,
-        owner: &Owner,
-        hold: &Token,
-        ttl: Duration,
-        waiting: Waiting,
-        terms: NodeTerms,
-        call_start: Instant,
-    ) -> Round<ReentrantAcquire> {
-        let started = Instant::now();
-        let (n, q) = (self.nodes.len(), self.quorum());
-        let mut validity = self.validity(ttl);
-        let timeout = self.options.node_timeout.min(validity / 2);
-        let terms = terms.fence_floor(fence_floor());
-        let replies = self
-            .fan_out(
-                0..n,
-                timeout,
-                |node| node.reentrant_acquire(key, owner, hold, ttl, waiting, terms),
-                |r| {
-                    let v = ReentrantVotes::of(r);
-                    v.agreeing >= q || v.refused() > n - q
-                },
-            )
-            .await;
-        let cut_short = started.elapsed() < timeout;
-        let votes = ReentrantVotes::of(&replies);
-
-        // Granting nodes by lease token.
-        let mut reigns: Vec<(Token, Vec<Grant>)> = Vec::new();
-        let mut held: Option<Duration> = None;
-        let mut warming: Option<Duration> = None;
-        let mut answering = Vec::new();
-        let mut unknown = Vec::new();
-        for (i, reply) in replies.iter().enumerate() {
-            match reply {
-                Some(Ok(ReentrantAcquire::Acquired {
-                    lease,
-                    fencing_token,
-                    validity: v,
-                    count,
-                })) => {
-                    validity = validity.min(*v);
-                    match reigns.iter_mut().find(|(t, _)| t == lease) {
-                        Some((_, nodes)) => nodes.push((i, *fencing_token, *count)),
-                        None => reigns.push((lease.clone(), vec![(i, *fencing_token, *count)])),
-                    }
-                }
-                Some(Ok(ReentrantAcquire::Held { remaining })) => {
-                    held = soonest(held, *remaining);
-                }
-                Some(Ok(ReentrantAcquire::Warming { remaining })) => {
-                    warming = soonest(warming, Some(*remaining));
-                }
-                Some(Err(e)) if not_sent(e) => {}
-                None if cut_short => answering.push(i),
-                Some(Err(_)) | None => unknown.push(i),
-            }
-        }
-        reigns.sort_by_key(|(_, nodes)| std::cmp::Reverse(nodes.len()));
-
-        let mut outcome = None;
-        if let Some((lease, nodes)) = reigns.first() {
-            if nodes.len() >= q && started.elapsed() < validity {
-                let fence = nodes.iter().map(|&(_, f, _)| f).max().unwrap_or(0);
-                let granted: Vec<(usize, u64)> = nodes.iter().map(|&(i, f, _)| (i, f)).collect();
-                let confirmed = self
-                    .write_back(key, fence, &granted, started + validity)
-                    .await;
-                if confirmed >= q && started.elapsed() < validity {
-                    outcome = Some(ReentrantAcquire::Acquired {
-                        lease: lease.clone(),
-                        fencing_token: fence,
-                        validity: validity + started.saturating_duration_since(call_start),
-                        count: reported_count(nodes.iter().map(|&(_, _, c)| c)),
-                    });
-                }
-            }
-        }
-        // Take the hold back where it must not stay: everywhere if the round failed, or on
-        // the nodes that counted it in another reign if it succeeded. Sent before any next
-        // round with this hold, so it runs before it on every node.
-        let keep = if outcome.is_some() { 1 } else { 0 };
-        let mut undo: Vec<usize> = reigns
-            .iter()
-            .skip(keep)
-            .flat_map(|(_, nodes)| nodes.iter().map(|&(i, _, _)| i))
-            .collect();
-        if outcome.is_none() {
-            undo.extend(answering);
-        }
-        let waited: Vec<usize> = undo.clone();
-        if outcome.is_none() {
-            undo.extend(unknown);
-        }
-        if !undo.is_empty() {
-            self.fan_out(
-                undo,
-                self.options.node_timeout,
-                |node| node.reentrant_release(key, owner, hold, Some(hold)),
-                |r| waited.iter().all(|&i| r[i].is_some()),
-            )
-            .await;
-        }
-        if let Some(acquired) = outcome {
-            return Round::Acquired(acquired);
-        }
-        if votes.held > 0 && votes.granted > 0 {
-            Round::Split(held)
-        } else if votes.held > 0 {
-            Round::Held(held)
-        } else {
-            Round::Unavailable {
-                granted: votes.agreeing,
-                warming: warming.filter(|_| votes.granted + votes.warming >= q),
-            }
-        }
-    }
-}
-
-/// The count to report from per-node counters: the largest. A node counts less than the
-/// others only when it missed holds (it was down or slow then), never more for long (a hold
-/// counted outside the majority's reign is taken back at once).
-fn reported_count(counts: impl Iterator<Item = u32>) -> u32 {
-    counts.max().unwrap_or(0)
 }
 
 /// What a majority (`q`) of the nodes' inspection answers agree on; see `Redlock::inspect`.

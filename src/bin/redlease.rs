@@ -238,28 +238,7 @@ async fn inspect(cli: &Cli, name: &str) -> Result<u8, Fail> {
     Ok(0)
 }
 
-/// Deletes the lease whoever holds it, wakes its waiters (plain and the fair queue's head)
-/// and deletes a reentrant reign's owners and holds hashes; the fence hash stays, so tokens
-/// keep increasing.
-const FORCE_RELEASE: &str = r#"
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  return 0
-end
-redis.call('DEL', KEYS[1])
-redis.call('HDEL', KEYS[2], 'h')
-redis.call('PEXPIRE', KEYS[2], 3600000)
-local owners = redis.call('DEL', KEYS[3])
-redis.call('DEL', KEYS[5])
-redis.call('PUBLISH', ARGV[1], '1')
-local head = redis.call('LINDEX', KEYS[4], 0)
-if head then
-  redis.call('PUBLISH', ARGV[2], head)
-end
-return 1 + owners
-"#;
-
 async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
-    use fred::interfaces::LuaInterface;
     if !force {
         return Err(Fail(
             EXIT_USAGE,
@@ -271,24 +250,16 @@ async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
     let lock = locks.lock(name);
     let before = lock.inspect().await.map_err(store_error)?;
     let key = lock.key();
-    let keys = vec![
-        key.as_str().to_owned(),
-        key.derived("fence"),
-        key.derived("owners"),
-        key.derived("queue"),
-        key.derived("holds"),
-    ];
-    let args = vec![key.derived("released"), key.derived("handoff")];
-    let deleted: i64 = backend
-        .client()
-        .eval(FORCE_RELEASE, keys, args)
+    let deleted = backend
+        .force_release(key)
         .await
         .map_err(|e| Fail(EXIT_UNAVAILABLE, format!("Redis failed: {e}")))?;
-    if deleted == 0 {
+    if !deleted {
         println!("{name} is not held: nothing deleted");
         return Ok(0);
     }
     let mut what = format!("deleted {key}");
+    let reentrant = before.as_ref().is_some_and(|i| i.reentrant_count.is_some());
     if let Some(info) = before.filter(|i| i.held) {
         if let Some(label) = &info.holder_label {
             what.push_str(&format!(" (holder: {label}"));
@@ -304,19 +275,15 @@ async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
         what.push(')');
     }
     println!("{what}");
-    if deleted > 1 {
-        println!(
-            "deleted {} and {}",
-            key.derived("owners"),
-            key.derived("holds")
-        );
+    if reentrant {
+        println!("deleted the reentrant holds' counts too");
     }
     Ok(0)
 }
 
 async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
     let label = args.label.clone().unwrap_or_else(redlease::host_pid_label);
-    let mut opts = LockOptions::new().ttl(args.ttl).holder_label(Some(label));
+    let mut opts = LockOptions::new().ttl(args.ttl).holder_label(label);
     if let Some(cap) = args.max_hold {
         opts = opts.max_hold(cap);
     }
@@ -422,7 +389,7 @@ async fn supervise(
     let status =
         status.map_err(|e| Fail(EXIT_UNAVAILABLE, format!("waiting for the command: {e}")))?;
     match guard.release().await {
-        Ok(()) => {}
+        Ok(_) => {}
         Err(Error::NotHeld) => {
             eprintln!(
                 "redlease: the lease on {} was lost as the command ended",

@@ -4,7 +4,7 @@
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
-//! * [`PlainOnly`]: a backend with only the trait's required methods.
+//! * [`PlainOnly`]: a backend that serves plain claims only.
 //!
 //! Each test binary uses only part of this module, hence the `allow`s below
 //! (`unreachable_pub`: the module is private to each test crate).

@@ -14,7 +14,7 @@ use std::time::Duration;
 /// # futures::executor::block_on(async {
 /// let locks = LockManager::with_options(
 ///     MemoryBackend::new(),
-///     LockOptions::new().holder_label(Some("billing-worker-2".into())),
+///     LockOptions::new().holder_label("billing-worker-2"),
 /// )?;
 /// let lock = locks.lock("invoices");
 /// assert!(lock.inspect().await?.is_none());          // never held: no trace

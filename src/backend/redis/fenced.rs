@@ -5,13 +5,10 @@
 //! every write carries the writer's [fencing token](crate::LockGuard::fencing_token), and the
 //! resource remembers the newest token it applied and rejects older ones.
 
-use std::sync::OnceLock;
-
 use bytes::Bytes;
-use fred::types::scripts::Script;
 use fred::types::{Key, Value};
 
-use crate::backend::redis::RedisBackend;
+use super::RedisBackend;
 use crate::error::{Error, Result};
 use crate::runtime::in_tokio;
 
@@ -42,11 +39,6 @@ impl FencedWrite {
     }
 }
 
-fn script() -> &'static Script {
-    static SCRIPT: OnceLock<Script> = OnceLock::new();
-    SCRIPT.get_or_init(|| Script::from_lua(include_str!("backend/redis/fenced_set.lua")))
-}
-
 impl RedisBackend {
     /// Writes `value` to the Redis hash `key` (field `v`) only if `fencing_token` is not
     /// older than the token of the write that set the value now (kept beside it, field `f`,
@@ -65,7 +57,9 @@ impl RedisBackend {
     /// let guard = locks.lock("report:2024").acquire().await?;
     /// let report = b"...".to_vec();
     /// match redis.fenced_set("report:2024:data", report, guard.fencing_token()).await? {
-    ///     FencedWrite::Applied => guard.release().await?,
+    ///     FencedWrite::Applied => {
+    ///         guard.release().await?;
+    ///     }
     ///     FencedWrite::Rejected { newest } => {
     ///         // Our lease ran out while we worked, and holder #newest has written since.
     ///         eprintln!("lost the lock to holder {newest}; our result is discarded");
@@ -100,9 +94,9 @@ impl RedisBackend {
             Value::Bytes(value.into()),
             Value::from(fencing_token.to_string()),
         ];
-        let reply: Vec<Value> = in_tokio(script().evalsha_with_reload(self.client(), keys, args))
-            .await
-            .map_err(Error::backend)?;
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.fenced_set, keys, args)
+            .await?;
         let token = |v: &Value| {
             v.as_string()
                 .and_then(|s| s.parse::<u64>().ok())

@@ -3,7 +3,9 @@
 --   holds hash {owner = .., token = lease token, fence = .., <hold> = 1 per live hold},
 --   abandoned tokens (see release.lua)
 -- ARGV: owner, hold (an `h…` token), ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
---   1 for a waiting acquire's first attempt, fence floor, minimum uptime (ms)
+--   1 for a waiting acquire's first attempt, fence floor, minimum uptime (ms), holder label
+--   ('' for none; kept as the fence hash's `h` while the reign holds; a client that sends
+--   no label leaves none)
 -- Returns {1, fencing token, lease token, count} (counted), {0, pttl} (held by another owner
 -- or a plain lock, or yielded to registered waiters) or {2, ms to go} (up for less than the
 -- minimum uptime: see acquire.lua).
@@ -18,6 +20,7 @@ local lease, fence, owners, holds, abandoned = KEYS[1], KEYS[2], KEYS[3], KEYS[4
 local owner, hold, ttl, flag, arriving =
   ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local floor, min_uptime = tonumber(ARGV[6]), tonumber(ARGV[7])
+local label = ARGV[8] or ''
 if min_uptime > 0 then
   local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
   local up = 1000 * math.max((s or 0) - 1, 0)
@@ -67,11 +70,11 @@ if arriving == '1' and tonumber(redis.call('HGET', fence, 'w') or '0') > now_ms 
 end
 local last = tonumber(redis.call('HGET', fence, 'f') or '0')
 local value = math.max(last + 1, clock, math.min(floor, clock + 2000000))
-redis.call('HSET', fence, 'f', string.format('%.0f', value))
--- Outlives the lease by an hour (see acquire.lua). Reentrant reigns carry no holder label:
--- clear one a crashed plain holder may have left.
+-- The label of the hold that starts the reign is the reign's (it also clears one a crashed
+-- plain holder may have left).
+redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
+-- Outlives the lease by an hour (see acquire.lua).
 redis.call('PEXPIRE', fence, ttl + 3600000)
-redis.call('HSET', fence, 'h', '')
 redis.call('DEL', owners, holds)
 redis.call('SET', lease, hold, 'PX', ttl)
 redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', string.format('%.0f', value), hold, '1')

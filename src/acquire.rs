@@ -1,0 +1,346 @@
+//! The one acquire engine: runs a claim of any kind (plain, fair, a reentrant hold) to a
+//! [`LockGuard`]. Attempts, waiting (wake-ups, fallback re-checks, back-off), cancel-safe
+//! clean-up, the `redlease.acquire` span and the acquire metrics live here and nowhere else;
+//! the kind of claim is data the store acts on.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future;
+
+use crate::backend::{
+    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Grant, NodeTerms, Subscription,
+    WakeUp,
+};
+use crate::error::{Error, Result};
+use crate::guard::{LockGuard, PendingClaim};
+use crate::options::LockOptions;
+use crate::options::RetryPolicy;
+use crate::runtime;
+use crate::token::LeaseKey;
+use crate::token::Token;
+use crate::watchdog::{ToKeep, Watchdog};
+
+/// What a manager's locks share: the store (and what it can serve) and the watchdog.
+pub(crate) struct Engine {
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) capabilities: Capabilities,
+    pub(crate) watchdog: Watchdog,
+}
+
+impl Engine {
+    pub(crate) fn new(backend: Arc<dyn Backend>) -> Self {
+        Engine {
+            capabilities: backend.capabilities(),
+            watchdog: Watchdog::new(backend.clone()),
+            backend,
+        }
+    }
+
+    /// Refuses a claim kind the store cannot serve, naming it and the store.
+    pub(crate) fn check(&self, kind: &ClaimKind) -> Result<()> {
+        self.capabilities.check(kind, &self.backend)
+    }
+}
+
+/// What the engine needs of a lock: the facade ([`Lock`](crate::Lock)) hands it over.
+pub(crate) struct Target<'a> {
+    pub(crate) manager: &'a Engine,
+    pub(crate) name: &'a Arc<str>,
+    pub(crate) key: &'a LeaseKey,
+    pub(crate) options: &'a LockOptions,
+    pub(crate) kind: &'a ClaimKind,
+}
+
+/// One attempt: `Ok(None)` if someone else holds the lock.
+pub(crate) async fn once(target: Target<'_>) -> Result<Option<LockGuard>> {
+    observed(&target, async {
+        let mut claim = Attempts::new(&target);
+        let started = Instant::now();
+        match claim.attempt(Attempt::Once, None).await? {
+            Tried::Granted(grant) => Ok(Some(claim.into_guard(grant, started))),
+            Tried::Held(_) => Ok(None),
+        }
+    })
+    .await
+}
+
+/// Waits until the lock is ours, or `limit` passes ([`Error::Timeout`]).
+pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<LockGuard> {
+    let run = async {
+        let mut claim = Attempts::new(&target);
+        let retry = &target.options.retry;
+        // A limit too far to represent (Duration::MAX) means no limit.
+        let deadline = limit.and_then(|d| claim.began.checked_add(d));
+        let notify = retry.notify;
+        // Waiters register with the store when they are woken by it, and a kind that
+        // queues always does (its place in the queue is the registration).
+        let registers = notify || target.kind.queues();
+        let recheck = retry.max_delay;
+        let mut sub: Option<Subscription> = None;
+        let mut pauses = Pauses::new(retry, notify);
+        // The first attempt yields to the waiters already there; later ones compete as a
+        // waiter. The first attempt always gets its answer (bounded by the store's own
+        // timeouts), so that a zero or tiny wait still takes a free lock.
+        let mut arriving = true;
+        loop {
+            let woken = sub.as_ref().map(Subscription::listen);
+            let attempt = match (registers, arriving) {
+                (false, _) => Attempt::Once,
+                (true, true) => Attempt::Arriving { recheck },
+                (true, false) => Attempt::Waiting { recheck },
+            };
+            let started = Instant::now();
+            let limit = if arriving { None } else { deadline };
+            let remaining = match claim.attempt(attempt, limit).await? {
+                Tried::Granted(grant) => return Ok(claim.into_guard(grant, started)),
+                Tried::Held(remaining) => remaining,
+            };
+            let round_trip = started.elapsed();
+            // A first attempt turned away from a free lock: it yielded to registered waiters.
+            let yielded = arriving && remaining.is_none();
+            arriving = false;
+            let mut woken = woken;
+            let mut remaining = remaining;
+            if notify && sub.is_none() {
+                // Subscribe, then check again: a release (or hand-off) that came before the
+                // subscription was confirmed is seen by that check.
+                let subscribed = target.manager.backend.subscribe(&claim.pending.claim);
+                let subscribed = runtime::until(deadline, subscribed)
+                    .await
+                    .ok_or_else(|| claim.timeout())??;
+                if !yielded {
+                    sub = Some(subscribed);
+                    continue;
+                }
+                // The lock was free, and the waiters the release woke are on their way to
+                // it: check again after they have had two of our round trips and a
+                // millisecond to take it, or at the next release. Checking at once would race
+                // them, and a holder that releases and acquires again would mostly win its
+                // lock back (a flag left by waiters that have gone costs this short pause,
+                // not a fallback re-check's whole second).
+                woken = Some(subscribed.listen());
+                sub = Some(subscribed);
+                remaining = Some(round_trip.saturating_mul(2));
+            }
+            // The holder's lease runs out after `remaining` (a crashed holder never
+            // publishes), or a fair queue's head's deadline passes: the pause is no longer.
+            if !pauses.wait(woken, remaining, deadline).await {
+                return Err(claim.timeout());
+            }
+        }
+    };
+    observed(&target, run).await
+}
+
+/// The answer to one attempt.
+enum Tried {
+    Granted(Grant),
+    Held(Option<Duration>),
+}
+
+/// One acquire call's claim, and the attempts made with it.
+struct Attempts<'a> {
+    target: &'a Target<'a>,
+    pending: PendingClaim,
+    began: Instant,
+}
+
+impl<'a> Attempts<'a> {
+    fn new(target: &'a Target<'a>) -> Self {
+        let token = match target.kind {
+            ClaimKind::Reentrant(_) => Token::hold(),
+            _ => Token::random(),
+        };
+        let claim = Claim::new(
+            target.key.clone(),
+            token.with_label(target.options.holder_label.clone()),
+            target.options.ttl,
+        )
+        .kind(target.kind.clone());
+        Attempts {
+            target,
+            pending: PendingClaim::new(target.manager.backend.clone(), claim),
+            began: Instant::now(),
+        }
+    }
+
+    fn timeout(&self) -> Error {
+        Error::Timeout {
+            waited: self.began.elapsed(),
+        }
+    }
+
+    /// Sends one attempt and waits for its answer until `limit`.
+    async fn attempt(&mut self, attempt: Attempt, limit: Option<Instant>) -> Result<Tried> {
+        // From here until a definite answer, the claim may hold the lease (or a place in a
+        // queue): until a guard takes it over, giving up (an error, the deadline, a dropped
+        // future) abandons it in the background.
+        self.pending.armed = true;
+        let sent =
+            self.target
+                .manager
+                .backend
+                .acquire(&self.pending.claim, attempt, NodeTerms::new());
+        let outcome = runtime::until(limit, sent)
+            .await
+            .ok_or_else(|| self.timeout())??;
+        Ok(match outcome {
+            Acquire::Granted(grant) => Tried::Granted(grant),
+            Acquire::Held { remaining } => {
+                crate::telemetry::contended();
+                // Turned away: it holds nothing, unless it stands in a queue.
+                self.pending.armed = attempt.recheck().is_some() && self.target.kind.queues();
+                Tried::Held(remaining)
+            }
+            // Only a quorum member answers this, to a quorum; a store passing it on asks the
+            // caller to come back when its nodes count.
+            Acquire::Warming { remaining } => {
+                self.pending.armed = false;
+                Tried::Held(Some(remaining))
+            }
+        })
+    }
+
+    /// The guard of a granted attempt sent at `sent`.
+    fn into_guard(mut self, grant: Grant, sent: Instant) -> LockGuard {
+        let t = self.target;
+        let opts = t.options;
+        tracing::debug!(key = %t.key, fencing_token = grant.fencing_token, waited = ?self.began.elapsed(), "acquired");
+        let kept = t.manager.watchdog.keep(ToKeep {
+            key: t.key.clone(),
+            token: grant.lease.clone(),
+            ttl: opts.ttl,
+            interval: opts.watchdog.then(|| opts.effective_watchdog_interval()),
+            cap: opts.max_hold.and_then(|cap| sent.checked_add(cap)),
+            sent,
+            validity: grant.validity,
+            shared: grant.hold_count.is_some(),
+        });
+        self.pending.lease = Some(grant.lease);
+        self.pending.armed = true;
+        LockGuard::new(
+            t.name.clone(),
+            grant.fencing_token,
+            grant.hold_count,
+            kept,
+            self.pending,
+            sent,
+        )
+    }
+}
+
+/// Runs an acquire in a `redlease.acquire` span that records the outcome and the wait, and
+/// counts it in the metrics.
+async fn observed<G: Held>(target: &Target<'_>, run: impl Future<Output = Result<G>>) -> Result<G> {
+    use tracing::field::Empty;
+    use tracing::Instrument;
+    let span = tracing::debug_span!(
+        "redlease.acquire",
+        key = %target.key,
+        kind = kind_name(target.kind),
+        outcome = Empty,
+        waited_ms = Empty,
+        fencing_token = Empty,
+    );
+    let began = Instant::now();
+    let result = run.instrument(span.clone()).await;
+    let waited = began.elapsed();
+    let outcome = match &result {
+        Ok(held) => match held.guard() {
+            Some(guard) => {
+                span.record("fencing_token", guard.fencing_token());
+                "acquired"
+            }
+            None => "busy",
+        },
+        Err(Error::Timeout { .. }) => "timeout",
+        Err(_) => "error",
+    };
+    span.record("outcome", outcome);
+    span.record(
+        "waited_ms",
+        u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+    );
+    crate::telemetry::acquire(outcome, waited);
+    result
+}
+
+/// The kind, for spans (a reentrant owner's name can be a credential: never logged).
+fn kind_name(kind: &ClaimKind) -> &'static str {
+    match kind {
+        ClaimKind::Plain => "plain",
+        ClaimKind::Fair => "fair",
+        ClaimKind::Reentrant(_) => "reentrant",
+    }
+}
+
+/// What an acquire returns: a guard, or (a single attempt) perhaps none.
+trait Held {
+    fn guard(&self) -> Option<&LockGuard>;
+}
+
+impl Held for LockGuard {
+    fn guard(&self) -> Option<&LockGuard> {
+        Some(self)
+    }
+}
+
+impl Held for Option<LockGuard> {
+    fn guard(&self) -> Option<&LockGuard> {
+        self.as_ref()
+    }
+}
+
+/// The waits between a waiting acquire's attempts: until a wake-up (a release or hand-off)
+/// or a pause, whichever comes first. With wake-ups the pause is a fallback re-check at
+/// most every `max_delay`; without (polling) it grows from `min_delay` to `max_delay`. Either
+/// way it is jittered, and no longer than what the store said is left of the holder's lease.
+struct Pauses {
+    notify: bool,
+    next: Duration,
+    max: Duration,
+}
+
+impl Pauses {
+    fn new(retry: &RetryPolicy, notify: bool) -> Self {
+        Pauses {
+            notify,
+            next: retry.min_delay,
+            max: retry.max_delay,
+        }
+    }
+
+    /// Waits for `woken` or the next pause (at most `remaining` + 1 ms); `false` if
+    /// `deadline` came first.
+    async fn wait(
+        &mut self,
+        woken: Option<WakeUp>,
+        remaining: Option<Duration>,
+        deadline: Option<Instant>,
+    ) -> bool {
+        let mut pause = if self.notify {
+            jitter(self.max, 0.8)
+        } else {
+            let p = jitter(self.next, 0.5);
+            self.next = self.next.saturating_mul(2).min(self.max);
+            p
+        };
+        if let Some(r) = remaining {
+            pause = pause.min(r + Duration::from_millis(1));
+        }
+        let sleep = std::pin::pin!(runtime::sleep(pause));
+        match woken {
+            Some(w) => runtime::until(deadline, future::select(w, sleep))
+                .await
+                .is_some(),
+            None => runtime::until(deadline, sleep).await.is_some(),
+        }
+    }
+}
+
+/// `d` scaled by a random factor in `[low, 1]`, so waiters do not retry in lockstep.
+fn jitter(d: Duration, low: f64) -> Duration {
+    d.mul_f64(rand::random_range(low..=1.0))
+}

@@ -1,0 +1,397 @@
+//! Connecting: URLs, connection options, the fred client's settings, loading the scripts,
+//! the server version check; also [`Redlock::connect`] over Redis servers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fred::interfaces::{ClientLike, EventInterface};
+use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
+use fred::types::config::UnresponsiveConfig;
+use fred::types::InfoKind;
+use futures::stream::{FuturesUnordered, StreamExt};
+
+use super::batch::Batcher;
+use super::pubsub::PubSub;
+use super::{Inner, RedisBackend, Scripts};
+use crate::backend::redlock::{Redlock, RedlockOptions};
+use crate::error::{Error, Result};
+use crate::runtime::{self, in_tokio};
+
+/// Connection settings for [`RedisBackend::connect_with`].
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = redlease::RedisOptions::new()
+///     .command_timeout(Duration::from_millis(500))
+///     .connect_timeout(Duration::from_secs(2));
+/// assert_eq!(opts.command_timeout, Duration::from_millis(500));
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RedisOptions {
+    /// How long one command may take; see [`command_timeout`](Self::command_timeout()).
+    /// Default 2 s.
+    pub command_timeout: Duration,
+    /// How long to wait for a connection. Default 5 s.
+    pub connect_timeout: Duration,
+    /// How many times a command is sent when the connection drops while it is in flight.
+    /// Default 3.
+    pub max_command_attempts: u32,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            command_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(5),
+            max_command_attempts: 3,
+        }
+    }
+}
+
+impl RedisOptions {
+    /// The defaults: command timeout 2 s, connect timeout 5 s, 3 attempts per command.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long one command may take before it fails with [`Error::Backend`] (a paused
+    /// server, a stalled network). A silent connection is also dropped and re-opened after
+    /// twice this. Defaults to 2 s.
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.command_timeout = d;
+        self
+    }
+
+    /// How long to wait for a connection (also the first one, in `connect`). Defaults to 5 s.
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    /// How many times a command is sent when the connection drops while it is in flight.
+    /// Every script is idempotent for the same token, so a re-sent command is harmless.
+    /// Defaults to 3.
+    pub fn max_command_attempts(mut self, n: u32) -> Self {
+        self.max_command_attempts = n;
+        self
+    }
+
+    pub(super) fn validate(&self) -> Result<()> {
+        let hour = Duration::from_secs(3600);
+        for (name, t) in [
+            ("command", self.command_timeout),
+            ("connect", self.connect_timeout),
+        ] {
+            if t.is_zero() || t > hour {
+                return Err(Error::invalid(format!(
+                    "Redis {name} timeout must be above zero and at most an hour, got {t:?}"
+                )));
+            }
+        }
+        if self.max_command_attempts == 0 {
+            return Err(Error::invalid("max_command_attempts must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Checks the URL before fred sees it: fred would take `rediss://` without a TLS feature as
+/// plain TCP, and only log it.
+fn parse_url(url: &str) -> Result<Config> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(Error::invalid(
+            "Redis URL must look like redis://host:port (no scheme found)",
+        ));
+    };
+    match scheme {
+        "redis" | "redis-cluster" | "valkey" | "valkey-cluster" => {}
+        "rediss" | "rediss-cluster" | "valkeys" | "valkeys-cluster" => {
+            if !cfg!(feature = "tls") {
+                return Err(Error::invalid(format!(
+                    "{scheme}:// needs redlease's `tls` feature; without it the connection \
+                     would not be encrypted"
+                )));
+            }
+        }
+        other => {
+            return Err(Error::invalid(format!(
+            "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
+        )))
+        }
+    }
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    if host.is_empty() || host.starts_with(':') {
+        return Err(Error::invalid("Redis URL has no host"));
+    }
+    // fred's message names the part that failed; it does not echo credentials.
+    Config::from_url(url).map_err(|e| Error::invalid(format!("malformed Redis URL: {e}")))
+}
+
+impl RedisBackend {
+    /// Connects with default [`RedisOptions`]. Fails with [`Error::InvalidConfig`] for a bad
+    /// URL or a server older than Redis 7.0, and [`Error::Backend`] when the server does not
+    /// answer within the connect timeout.
+    ///
+    /// A URL's `user:password@` authenticates with ACL `AUTH`; `/N` selects database N.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects with the given options.
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
+        // Boxed, as is every large fred future here: debug builds copy futures through the
+        // stack, and small stacks (async-std's `block_on` thread) overflow otherwise.
+        Box::pin(Self::open(url, options, true)).await
+    }
+
+    /// Returns at once, without waiting for the server: the connection is made, and remade,
+    /// in the background, and commands wait for it (up to the command timeout). For a
+    /// [`Redlock`](crate::Redlock) node that may be down when the application starts.
+    /// Fails only with [`Error::InvalidConfig`] for a bad URL or options.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::backend::{Attempt, Backend, Claim, NodeTerms};
+    /// use redlease::{LeaseKey, RedisBackend, RedisOptions, Token};
+    /// # futures::executor::block_on(async {
+    /// // Nothing listens on port 1; the backend is made anyway...
+    /// let node = RedisBackend::connect_lazy("redis://127.0.0.1:1", RedisOptions::new()).await?;
+    /// // ...and a quorum member's call fails at once instead of waiting for it.
+    /// let claim = Claim::new(LeaseKey::new("doc:", "job"), Token::random(), Duration::from_secs(1));
+    /// let fast = NodeTerms::new().fail_fast(true);
+    /// assert!(node.acquire(&claim, Attempt::Once, fast).await.is_err());
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
+        Box::pin(Self::open(url, options, false)).await
+    }
+
+    async fn open(url: &str, options: RedisOptions, wait: bool) -> Result<Self> {
+        options.validate()?;
+        let mut config = parse_url(url)?;
+        let clustered = config.server.is_clustered();
+        // The subscriber connects on first use, and fails then if the server is away.
+        let subscriber_config = config.clone();
+        config.fail_fast = wait;
+        let mut builder = Builder::from_config(config);
+        builder
+            .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
+            .with_performance_config(|p| p.default_command_timeout = options.command_timeout)
+            .with_connection_config(|c| {
+                c.connection_timeout = options.connect_timeout;
+                c.internal_command_timeout = options.connect_timeout;
+                c.max_command_attempts = options.max_command_attempts;
+                let silent = options.command_timeout.saturating_mul(2);
+                c.unresponsive = UnresponsiveConfig {
+                    max_timeout: Some(silent),
+                    interval: (silent / 4).max(Duration::from_millis(5)),
+                };
+            });
+        let client = builder.build().map_err(Error::backend)?;
+        builder.set_config(subscriber_config);
+        let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
+        Self::assemble(client, subscriber, clustered, wait).await
+    }
+
+    /// A backend over a fred client the application already has (its connection, its
+    /// settings): the locks share it with the application's own commands. The client is
+    /// connected here if it is not yet; a second, subscriber connection is made from its
+    /// settings for wake-ups. Give the client a reconnect policy and a command timeout (see
+    /// `RedisOptions` for the ones [`connect`](Self::connect) sets): without them, fred lets
+    /// calls hang while the server is away.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// use fred::prelude::{Builder, ClientLike, Config, ReconnectPolicy};
+    /// let mut builder = Builder::from_config(Config::from_url("redis://127.0.0.1:6379").unwrap());
+    /// builder.set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2));
+    /// let client = builder.build().unwrap();
+    /// client.init().await.unwrap();
+    /// let backend = redlease::RedisBackend::from_client(client).await?;
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if the client cannot connect or its settings cannot make a
+    /// subscriber; [`Error::InvalidConfig`] for a server older than Redis 7.0.
+    pub async fn from_client(client: Client) -> Result<Self> {
+        let config = client.client_config();
+        let clustered = config.server.is_clustered();
+        let mut builder = Builder::from_config(config);
+        builder
+            .set_performance_config(client.perf_config())
+            .set_connection_config(client.connection_config().clone());
+        if let Some(policy) = client.client_reconnect_policy() {
+            builder.set_policy(policy);
+        }
+        let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
+        Box::pin(Self::assemble(client, subscriber, clustered, true)).await
+    }
+
+    /// The backend over `client` and `subscriber`: loads the scripts on every connection,
+    /// and (with `wait`) connects now and checks the server.
+    async fn assemble(
+        client: Client,
+        subscriber: fred::clients::SubscriberClient,
+        clustered: bool,
+        wait: bool,
+    ) -> Result<Self> {
+        let scripts = Scripts::new();
+        // Every connection (the first, and each after a reconnect: a restarted server has
+        // no scripts) loads the scripts, so that calls are one EVALSHA, not a NOSCRIPT round
+        // trip plus a reload that later commands could overtake.
+        let all = scripts.all();
+        let reloader = client.clone();
+        // The connection tasks and this listener run where `init` runs them: on the
+        // caller's tokio runtime, or the crate's own one.
+        in_tokio(async {
+            drop(reloader.clone().on_reconnect(move |_| {
+                let (client, all) = (reloader.clone(), all.clone());
+                async move {
+                    let loads = all.iter().map(|s| s.load(&client));
+                    let _ = futures::future::join_all(loads).await;
+                    Ok(())
+                }
+            }))
+        })
+        .await;
+        if wait {
+            if !client.is_connected() {
+                in_tokio(client.init()).await.map_err(Error::backend)?;
+            }
+            // A user whose ACL refuses INFO is not refused here: the version stays unknown.
+            if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Server))).await {
+                check_version(&info)?;
+            }
+            // Also here, so that they are there when `connect` returns. try_join_all keeps
+            // the loads on the heap: fred's futures are large.
+            let all = scripts.all();
+            in_tokio(futures::future::try_join_all(
+                all.iter().map(|s| s.load(&client)),
+            ))
+            .await
+            .map_err(Error::backend)?;
+        } else {
+            let connecting = client.clone();
+            in_tokio(async move { drop(connecting.connect()) }).await;
+        }
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                client,
+                scripts,
+                pubsub: Arc::new(PubSub::new(subscriber)),
+                clustered,
+                ops: Batcher::default(),
+            }),
+        })
+    }
+
+    /// Resolves when connected (at once if connected already); `false` if the client gave
+    /// up on the first connection.
+    async fn ready(&self) -> bool {
+        in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
+    }
+}
+
+/// Refuses a server older than Redis 7.0 (the scripts use `SET ... NX GET`), from its
+/// `INFO server`; a server that does not say passes (the scripts then say what fails).
+pub(super) fn check_version(info: &str) -> Result<()> {
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .map(str::trim);
+    let major = version.and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+    match (version, major) {
+        (Some(v), Some(m)) if m < 7 => Err(Error::invalid(format!(
+            "redlease needs Redis 7.0 or later; the server runs Redis {v}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+impl Redlock {
+    /// Connects to one Redis server per URL (independent masters), with default options.
+    /// Returns once a majority is connected; the others keep connecting in the background.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a bad URL or no URL; [`Error::QuorumNotReached`] if a
+    /// majority does not connect within the connect timeout.
+    pub async fn connect(urls: &[&str]) -> Result<Self> {
+        Self::connect_with(urls, RedisOptions::default(), RedlockOptions::default()).await
+    }
+
+    /// [`connect`](Self::connect) with connection and Redlock options.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(
+        urls: &[&str],
+        redis: RedisOptions,
+        options: RedlockOptions,
+    ) -> Result<Self> {
+        options.validate()?;
+        if urls.is_empty() {
+            return Err(Error::invalid("a Redlock needs at least one node URL"));
+        }
+        for (i, url) in urls.iter().enumerate() {
+            if urls[..i].contains(url) {
+                return Err(Error::invalid(format!(
+                    "Redlock node {url} is listed twice: one server would count as two nodes"
+                )));
+            }
+        }
+        let mut nodes = Vec::with_capacity(urls.len());
+        for url in urls {
+            nodes.push(RedisBackend::connect_lazy(url, redis.clone()).await?);
+        }
+        let required = urls.len() / 2 + 1;
+        let deadline = Instant::now() + redis.connect_timeout;
+        let mut connecting: FuturesUnordered<_> = nodes.iter().map(RedisBackend::ready).collect();
+        let mut connected = 0;
+        while connected < required {
+            match runtime::until(Some(deadline), connecting.next()).await {
+                Some(Some(true)) => connected += 1,
+                Some(Some(false)) => {}
+                Some(None) | None => {
+                    return Err(Error::QuorumNotReached {
+                        acquired: connected,
+                        required,
+                    })
+                }
+            }
+        }
+        drop(connecting);
+        Self::with_options(nodes, options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_version;
+
+    #[test]
+    fn servers_older_than_redis_7_are_refused_with_their_version() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        let Err(err) = check_version(&info("6.2.14")) else {
+            panic!("Redis 6.2.14 accepted");
+        };
+        let err = err.to_string();
+        assert!(
+            err.contains("7.0 or later") && err.contains("6.2.14"),
+            "{err}"
+        );
+        assert!(check_version(&info("7.0.15")).is_ok());
+        assert!(check_version(&info("8.2.1")).is_ok());
+        assert!(
+            check_version("# Server\r\n").is_ok(),
+            "no version: not refused"
+        );
+    }
+}

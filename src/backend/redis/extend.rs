@@ -1,0 +1,117 @@
+//! Extensions: many leases per script call (`extend.lua` for plain leases,
+//! `reentrant_extend.lua` for a reign's, which keeps its owners and holds hashes alive with
+//! the lease), the calls of one round sent at once.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use fred::types::{Key, Value};
+
+use super::keys::{fence_clock, fence_due, ms, part, Part};
+use super::RedisBackend;
+use crate::backend::{clock_drift, Lease, NodeTerms};
+use crate::error::{Error, Result};
+
+/// Leases extended by one script call; bigger batches are split and the calls pipelined.
+const EXTEND_CHUNK: usize = 256;
+
+impl RedisBackend {
+    pub(super) async fn extend_leases(
+        &self,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> Result<Vec<Option<Duration>>> {
+        self.check_connected(terms)?;
+        let min_uptime = ms(terms.min_uptime);
+        let now = fence_clock();
+        // Reentrant leases are told by their token (a reign's lease token is a hold).
+        let (holds, plain): (Vec<usize>, Vec<usize>) =
+            (0..leases.len()).partition(|&i| leases[i].token.is_hold());
+        let plain_calls = self
+            .chunks(leases, &plain)
+            .into_iter()
+            .map(|idx| async move {
+                let mut keys: Vec<Key> =
+                    idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
+                let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 3 + 2);
+                args.push(min_uptime.into());
+                args.push(i64::try_from(idx.len()).unwrap_or(i64::MAX).into());
+                for &i in &idx {
+                    let lease = &leases[i];
+                    args.push(lease.token.as_str().into());
+                    args.push(ms(lease.ttl).into());
+                    // The fence hash's hour is renewed now and then, not at every extension.
+                    let renew = if fence_due(lease.key.as_str(), lease.ttl, now) {
+                        keys.push(part(lease.key, Part::Fence).into());
+                        i64::try_from(keys.len()).unwrap_or(0)
+                    } else {
+                        0
+                    };
+                    args.push(renew.into());
+                }
+                let reply: Vec<i64> = self.eval(&self.inner.scripts.extend, keys, args).await?;
+                Ok::<_, Error>((idx, reply))
+            });
+        let reign_calls = self
+            .chunks(leases, &holds)
+            .into_iter()
+            .map(|idx| async move {
+                let mut keys: Vec<Key> = Vec::with_capacity(idx.len() * 4);
+                let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
+                args.push(min_uptime.into());
+                for &i in &idx {
+                    let l = &leases[i];
+                    keys.extend([
+                        Key::from(l.key.as_str()),
+                        part(l.key, Part::Fence).into(),
+                        part(l.key, Part::Owners).into(),
+                        part(l.key, Part::Holds).into(),
+                    ]);
+                    args.push(l.token.as_str().into());
+                    args.push(ms(l.ttl).into());
+                }
+                let reply: Vec<i64> = self
+                    .eval(&self.inner.scripts.reentrant_extend, keys, args)
+                    .await?;
+                Ok::<_, Error>((idx, reply))
+            });
+        // Both kinds at once: one round trip for the round, not one per kind.
+        let (plain_out, reign_out) = futures::join!(
+            futures::future::join_all(plain_calls),
+            futures::future::join_all(reign_calls)
+        );
+        let mut out = vec![None; leases.len()];
+        for chunk in plain_out.into_iter().chain(reign_out) {
+            let (idx, reply) = chunk?;
+            if reply.len() != idx.len() {
+                return Err(Error::backend("extend script returned the wrong count"));
+            }
+            for (i, ok) in idx.into_iter().zip(reply) {
+                let ttl = leases[i].ttl;
+                out[i] = (ok == 1).then(|| ttl.saturating_sub(clock_drift(ttl)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Splits the leases `which` into script calls of at most [`EXTEND_CHUNK`], per hash slot
+    /// on a cluster (a script may only touch one slot there).
+    fn chunks(&self, leases: &[Lease<'_>], which: &[usize]) -> Vec<Vec<usize>> {
+        if !self.inner.clustered {
+            return which.chunks(EXTEND_CHUNK).map(<[usize]>::to_vec).collect();
+        }
+        let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
+        for &i in which {
+            let slot = fred::util::redis_keyslot(leases[i].key.as_str().as_bytes());
+            by_slot.entry(slot).or_default().push(i);
+        }
+        by_slot
+            .into_values()
+            .flat_map(|idx| {
+                idx.chunks(EXTEND_CHUNK)
+                    .map(<[usize]>::to_vec)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,478 @@
+//! Acquires and releases: the scripts' arguments and replies, and group commit (concurrent
+//! calls of one kind sent as one script call, see `batch.rs`). Reentrant claims go alone.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use fred::interfaces::ClientLike;
+use fred::types::{Key, Value};
+
+use super::batch;
+use super::keys::{fence_ttl, ms, part, Part};
+use super::RedisBackend;
+use crate::backend::{clock_drift, Acquire, Attempt, Claim, Grant, NodeTerms, NotSent};
+use crate::error::{Error, Result};
+use crate::token::{LeaseKey, Owner, Token};
+
+/// How long an abandoned attempt's token stays barred. A late copy of an attempt arrives
+/// after a reconnect (seconds); this leaves a wide margin at the cost of one sorted-set entry
+/// per abandoned attempt.
+pub(super) const TOMBSTONE: Duration = Duration::from_secs(300);
+
+/// One plain or fair acquire attempt, or one release (no tombstone) or abandon (a
+/// tombstone), as queued for a batched script call. Acquires and releases share one queue, so that
+/// they reach the server in the order they were made: a release (or a quorum's clean-up) that
+/// a caller made before its next attempt with the same token can never run after that
+/// attempt and delete its grant.
+#[derive(Clone)]
+pub(super) enum Op {
+    Acquire {
+        claim: Claim,
+        attempt: Attempt,
+        terms: NodeTerms,
+    },
+    Fair {
+        claim: Claim,
+        attempt: Attempt,
+    },
+    Release {
+        key: LeaseKey,
+        token: Token,
+        tombstone: Duration,
+    },
+}
+
+/// A script's answer for one operation, as it came (an acquire's `{code, value}` pair, a
+/// release's `{n, 0}`): the caller, who knows what it sent, reads it.
+pub(super) type Reply = (i64, i64);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Acquire,
+    Fair,
+    Release,
+}
+
+impl Op {
+    fn kind(&self) -> Kind {
+        match self {
+            Op::Acquire { .. } => Kind::Acquire,
+            Op::Fair { .. } => Kind::Fair,
+            Op::Release { .. } => Kind::Release,
+        }
+    }
+
+    fn key(&self) -> &LeaseKey {
+        match self {
+            Op::Acquire { claim, .. } | Op::Fair { claim, .. } => &claim.key,
+            Op::Release { key, .. } => key,
+        }
+    }
+}
+
+/// Reads an acquire script's `{1, fence} | {0, ms} | {2, ms}` answer for `claim`.
+pub(super) fn acquired(claim: &Claim, (code, value): Reply) -> Result<Acquire> {
+    let remaining = |ms: i64| u64::try_from(ms).ok().map(Duration::from_millis);
+    let validity = claim.ttl.saturating_sub(clock_drift(claim.ttl));
+    match code {
+        1 => Ok(Acquire::Granted(Grant::new(
+            u64::try_from(value).unwrap_or(0),
+            validity,
+            claim.token.clone(),
+        ))),
+        0 => Ok(Acquire::Held {
+            remaining: remaining(value),
+        }),
+        2 => Ok(Acquire::Warming {
+            remaining: remaining(value).unwrap_or_default(),
+        }),
+        other => Err(Error::backend(format!(
+            "unexpected reply from the acquire script: {{{other}, {value}}}"
+        ))),
+    }
+}
+
+impl RedisBackend {
+    /// Sends one acquire or release through the shared queue (group commit), or alone on a
+    /// cluster, where a script may touch one slot only.
+    pub(super) async fn op(&self, op: Op) -> Result<Reply> {
+        if self.inner.clustered {
+            return batch::single(self.clone().ops_batch(vec![op]).await?);
+        }
+        // A release is sent even if its caller stops waiting for the answer.
+        let keep = matches!(op, Op::Release { .. });
+        let this = self.clone();
+        self.inner
+            .ops
+            .call(op, keep, move |ops| this.clone().ops_batch(ops))
+            .await
+    }
+
+    /// Sends queued operations as few script calls as their order allows: operations on
+    /// different keys may be regrouped freely, those on one key run in the order they were
+    /// made. Each operation joins the first phase of its kind that is not before its key's
+    /// previous operation (the same phase if of the same kind: a script runs its entries in
+    /// order); phases are sent back to back, in order, on the one connection. Distinct keys
+    /// (the common case) make at most one phase per kind.
+    fn ops_batch(self, ops: Vec<Op>) -> impl Future<Output = Result<Vec<Reply>>> + Send {
+        let count = ops.len();
+        let phases = if count == 1 {
+            // A lone call (the inline path): no grouping to do.
+            ops.iter().map(|op| (op.kind(), vec![0])).collect()
+        } else {
+            phases(ops.iter().map(|op| (op.kind(), op.key().as_str())))
+        };
+        let mut slots: Vec<Option<Op>> = ops.into_iter().map(Some).collect();
+        // Made (and so handed to the connection when first polled) in phase order: the
+        // phases go out back to back, and the server runs them in that order.
+        let calls: Vec<_> = phases
+            .into_iter()
+            .map(|(kind, idx)| {
+                let taken: Vec<Op> = idx.iter().filter_map(|&i| slots[i].take()).collect();
+                let this = self.clone();
+                async move {
+                    let replies = match kind {
+                        Kind::Acquire => this.acquire_batch(&taken).await?,
+                        Kind::Fair => this.fair_batch(&taken).await?,
+                        Kind::Release => this.release_batch(&taken).await?,
+                    };
+                    if replies.len() != idx.len() {
+                        return Err(Error::backend("a batched call returned the wrong count"));
+                    }
+                    Ok::<_, Error>((idx, replies))
+                }
+            })
+            .collect();
+        async move {
+            let mut out: Vec<Option<Reply>> = vec![None; count];
+            for phase in futures::future::join_all(calls).await {
+                let (idx, replies) = phase?;
+                for (i, reply) in idx.into_iter().zip(replies) {
+                    out[i] = Some(reply);
+                }
+            }
+            out.into_iter()
+                .map(|r| r.ok_or_else(|| Error::backend("a batched operation got no reply")))
+                .collect()
+        }
+    }
+
+    /// Plain attempts as one `acquire.lua` call; one `{code, value}` per attempt, in order.
+    async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Reply>> {
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 3);
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 8);
+        for op in ops {
+            let Op::Acquire {
+                claim,
+                attempt,
+                terms,
+            } = op
+            else {
+                continue;
+            };
+            let key = &claim.key;
+            keys.extend([
+                Key::from(key.as_str()),
+                part(key, Part::Fence).into(),
+                part(key, Part::Abandoned).into(),
+            ]);
+            // The waiters flag outlives the waiter's next re-check, so a release in between
+            // still publishes.
+            let flag = attempt.keep_waiter().map_or(0, ms);
+            let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
+            args.extend([
+                claim.token.as_str().into(),
+                ms(claim.ttl).into(),
+                flag.into(),
+                arriving.into(),
+                // Lua numbers are doubles: exact up to 2^53, far above any token.
+                terms.fence_floor.to_string().into(),
+                ms(terms.min_uptime).into(),
+                claim.token.label().unwrap_or_default().into(),
+                fence_ttl(claim.ttl).into(),
+            ]);
+        }
+        let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
+        pairs(reply, ops.len())
+    }
+
+    /// Fair attempts as one `fair_acquire.lua` call; one `{code, value}` per attempt.
+    async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Reply>> {
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 5);
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 6);
+        for op in ops {
+            let Op::Fair { claim, attempt } = op else {
+                continue;
+            };
+            let key = &claim.key;
+            keys.extend([
+                Key::from(key.as_str()),
+                part(key, Part::Fence).into(),
+                part(key, Part::Abandoned).into(),
+                part(key, Part::Queue).into(),
+                part(key, Part::Timeouts).into(),
+            ]);
+            // At least 1 ms for a waiter: 0 means a single attempt.
+            let expire = attempt.keep_waiter().map_or(0, |e| ms(e).max(1));
+            args.extend([
+                claim.token.as_str().into(),
+                ms(claim.ttl).into(),
+                expire.into(),
+                part(key, Part::Handoff).into(),
+                claim.token.label().unwrap_or_default().into(),
+                fence_ttl(claim.ttl).into(),
+            ]);
+        }
+        let reply: Vec<i64> = self
+            .eval(&self.inner.scripts.fair_acquire, keys, args)
+            .await?;
+        pairs(reply, ops.len())
+    }
+
+    /// Releases and abandons as one `release.lua` call; one `{1|0, 0}` per request.
+    async fn release_batch(&self, ops: &[Op]) -> Result<Vec<Reply>> {
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 5);
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 4);
+        for op in ops {
+            let Op::Release {
+                key,
+                token,
+                tombstone,
+            } = op
+            else {
+                continue;
+            };
+            keys.extend([
+                Key::from(key.as_str()),
+                part(key, Part::Fence).into(),
+                part(key, Part::Abandoned).into(),
+                part(key, Part::Queue).into(),
+                part(key, Part::Timeouts).into(),
+            ]);
+            args.extend([
+                token.as_str().into(),
+                part(key, Part::Released).into(),
+                ms(*tombstone).into(),
+                part(key, Part::Handoff).into(),
+            ]);
+        }
+        let reply: Vec<i64> = self.eval(&self.inner.scripts.release, keys, args).await?;
+        Ok(reply.into_iter().map(|n| (n, 0)).collect())
+    }
+
+    /// Fails at once when the connection is down and the caller asked to (a quorum member
+    /// that does not answer now is better skipped than waited for).
+    pub(super) fn check_connected(&self, terms: NodeTerms) -> Result<()> {
+        if terms.fail_fast && !self.inner.client.is_connected() {
+            return Err(Error::backend(NotSent(format!(
+                "not connected to {} (reconnecting)",
+                self.inner
+                    .client
+                    .client_config()
+                    .server
+                    .hosts()
+                    .first()
+                    .map(|h| format!("{}:{}", h.host, h.port))
+                    .unwrap_or_default()
+            ))));
+        }
+        Ok(())
+    }
+
+    /// One `reentrant_acquire.lua` call (not group-committed: reentrant attempts are rare
+    /// next to plain ones, and each is one EVALSHA).
+    pub(super) async fn reentrant_acquire(
+        &self,
+        claim: &Claim,
+        owner: &Owner,
+        attempt: Attempt,
+        terms: NodeTerms,
+    ) -> Result<Acquire> {
+        let (key, hold) = (&claim.key, &claim.token);
+        check_hold(hold)?;
+        let keys = vec![
+            Key::from(key.as_str()),
+            part(key, Part::Fence).into(),
+            part(key, Part::Owners).into(),
+            part(key, Part::Holds).into(),
+            part(key, Part::Abandoned).into(),
+        ];
+        // As for plain attempts: the waiters flag outlives the next re-check.
+        let flag = attempt.keep_waiter().map_or(0, ms);
+        let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
+        let args: Vec<Value> = vec![
+            owner.as_str().into(),
+            hold.as_str().into(),
+            ms(claim.ttl).into(),
+            flag.into(),
+            arriving.into(),
+            terms.fence_floor.to_string().into(),
+            ms(terms.min_uptime).into(),
+            hold.label().unwrap_or_default().into(),
+        ];
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.reentrant_acquire, keys, args)
+            .await?;
+        let int = |v: Option<&Value>| v.and_then(Value::as_i64);
+        match (int(reply.first()), reply.len()) {
+            (Some(1), 4) => {
+                let lease = reply[2]
+                    .as_string()
+                    .filter(|t| t.starts_with('h'))
+                    .ok_or_else(|| Error::backend("reentrant acquire returned no lease token"))?;
+                let fence = int(reply.get(1)).and_then(|f| u64::try_from(f).ok());
+                let count = int(reply.get(3)).and_then(|c| u32::try_from(c).ok());
+                let validity = claim.ttl.saturating_sub(clock_drift(claim.ttl));
+                Ok(Acquire::Granted(
+                    Grant::new(fence.unwrap_or(0), validity, Token::from_store(&lease))
+                        .with_hold_count(count.unwrap_or(0)),
+                ))
+            }
+            (Some(code @ (0 | 2)), 2) => acquired(claim, (code, int(reply.get(1)).unwrap_or(-1))),
+            _ => Err(Error::backend(format!(
+                "unexpected reply from the reentrant acquire script: {reply:?}"
+            ))),
+        }
+    }
+
+    /// One `reentrant_release.lua` call; `lease` as in `Release::Confirmed` (`None`: abandon).
+    pub(super) async fn reentrant_release(
+        &self,
+        claim: &Claim,
+        owner: &Owner,
+        lease: Option<&Token>,
+    ) -> Result<Option<u32>> {
+        let (key, hold) = (&claim.key, &claim.token);
+        check_hold(hold)?;
+        let keys = vec![
+            Key::from(key.as_str()),
+            part(key, Part::Fence).into(),
+            part(key, Part::Owners).into(),
+            part(key, Part::Holds).into(),
+            part(key, Part::Abandoned).into(),
+            part(key, Part::Queue).into(),
+            part(key, Part::Timeouts).into(),
+        ];
+        let tombstone = if lease.is_some() { 0 } else { ms(TOMBSTONE) };
+        let args: Vec<Value> = vec![
+            owner.as_str().into(),
+            hold.as_str().into(),
+            lease.map_or("", Token::as_str).into(),
+            tombstone.into(),
+            part(key, Part::Released).into(),
+            part(key, Part::Handoff).into(),
+        ];
+        let reply: Vec<i64> = self
+            .eval(&self.inner.scripts.reentrant_release, keys, args)
+            .await?;
+        match reply.as_slice() {
+            [1, left] => Ok(Some(u32::try_from(*left).unwrap_or(0))),
+            [0, _] => Ok(None),
+            other => Err(Error::backend(format!(
+                "unexpected reply from the reentrant release script: {other:?}"
+            ))),
+        }
+    }
+}
+
+impl RedisBackend {
+    /// Deletes the lock at `key` whoever holds it, for an operator (`redlease release
+    /// --force`): the lease, and a reentrant reign's counts; its waiters are woken (a fair
+    /// queue's head by name). The fencing counter stays, so the next holder's token is still
+    /// larger; the holder, if alive, finds its lease lost at its next extension. Returns
+    /// whether a lease was deleted.
+    ///
+    /// This breaks the lock's promise for its current holder: use it for a holder known to
+    /// be gone whose lease is too long to wait out.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if Redis fails.
+    pub async fn force_release(&self, key: &LeaseKey) -> Result<bool> {
+        let keys: Vec<Key> = vec![
+            key.as_str().into(),
+            part(key, Part::Fence).into(),
+            part(key, Part::Owners).into(),
+            part(key, Part::Queue).into(),
+            part(key, Part::Holds).into(),
+        ];
+        let args: Vec<Value> = vec![
+            part(key, Part::Released).into(),
+            part(key, Part::Handoff).into(),
+        ];
+        let deleted: i64 = self
+            .eval(&self.inner.scripts.force_release, keys, args)
+            .await?;
+        Ok(deleted > 0)
+    }
+}
+
+/// A flat `{code, value, code, value, …}` reply as one pair per request.
+fn pairs(reply: Vec<i64>, count: usize) -> Result<Vec<Reply>> {
+    if reply.len() != count * 2 {
+        return Err(Error::backend(format!(
+            "acquire script returned {} values for {count} attempts",
+            reply.len(),
+        )));
+    }
+    Ok(reply.chunks(2).map(|p| (p[0], p[1])).collect())
+}
+
+/// Reentrant holds must be [`Token::hold`]s: the lease token of a reign is its first hold,
+/// and the extension of a lease is routed by it.
+fn check_hold(hold: &Token) -> Result<()> {
+    if hold.is_hold() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "a reentrant hold must be made by Token::hold (its lease is extended with the reign)",
+        ))
+    }
+}
+
+/// Groups operations `(kind, key)` into phases (see `RedisBackend::ops_batch`): indices per
+/// phase, in order.
+fn phases<'a>(ops: impl Iterator<Item = (Kind, &'a str)>) -> Vec<(Kind, Vec<usize>)> {
+    let mut phases: Vec<(Kind, Vec<usize>)> = Vec::new();
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for (i, (kind, key)) in ops.enumerate() {
+        let after = last.get(key).copied();
+        let fits = |p: usize| phases[p].0 == kind && after.is_none_or(|a| p >= a);
+        let phase = match (0..phases.len()).find(|&p| fits(p)) {
+            Some(p) => p,
+            None => {
+                phases.push((kind, Vec::new()));
+                phases.len() - 1
+            }
+        };
+        phases[phase].1.push(i);
+        last.insert(key, phase);
+    }
+    phases
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{phases, Kind};
+
+    #[test]
+    fn distinct_keys_make_one_phase_per_kind_and_one_key_keeps_its_order() {
+        use Kind::{Acquire as A, Release as R};
+        // Distinct keys, interleaved kinds: one acquire phase, one release phase.
+        let ops = [(A, "a"), (R, "b"), (A, "c"), (R, "d"), (A, "e")];
+        assert_eq!(
+            phases(ops.into_iter()),
+            vec![(A, vec![0, 2, 4]), (R, vec![1, 3])]
+        );
+        // One key released then acquired again: the acquire waits for a later phase.
+        let ops = [(A, "a"), (R, "k"), (A, "k"), (R, "b")];
+        assert_eq!(
+            phases(ops.into_iter()),
+            vec![(A, vec![0]), (R, vec![1, 3]), (A, vec![2])]
+        );
+        // The same kind twice on one key shares a phase (a script runs entries in order).
+        let ops = [(R, "k"), (R, "k"), (A, "x")];
+        assert_eq!(phases(ops.into_iter()), vec![(R, vec![0, 1]), (A, vec![2])]);
+    }
+}
