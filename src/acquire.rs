@@ -106,7 +106,7 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
             if notify && sub.is_none() {
                 // Subscribe, then check again: a release (or hand-off) that came before the
                 // subscription was confirmed is seen by that check.
-                let subscribed = target.manager.backend.subscribe(&claim.pending.claim);
+                let subscribed = (*target.manager.backend).subscribe(&claim.pending.claim);
                 let subscribed = runtime::until(deadline, subscribed)
                     .await
                     .ok_or_else(|| claim.timeout())??;
@@ -178,11 +178,8 @@ impl<'a> Attempts<'a> {
         // queue): until a guard takes it over, giving up (an error, the deadline, a dropped
         // future) abandons it in the background.
         self.pending.armed = true;
-        let sent =
-            self.target
-                .manager
-                .backend
-                .acquire(&self.pending.claim, attempt, NodeTerms::new());
+        let backend = &*self.target.manager.backend;
+        let sent = backend.acquire(&self.pending.claim, attempt, NodeTerms::new());
         let outcome = runtime::until(limit, sent)
             .await
             .ok_or_else(|| self.timeout())??;
@@ -218,7 +215,7 @@ impl<'a> Attempts<'a> {
             validity: grant.validity,
             shared: grant.hold_count.is_some(),
         });
-        self.pending.lease = Some(grant.lease);
+        self.pending.granted(grant.lease);
         self.pending.armed = true;
         LockGuard::new(
             t.name.clone(),

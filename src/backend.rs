@@ -444,6 +444,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
 /// A shared store is a store: `LockManager::new`, `Redlock::new` and `Cache` take an
 /// `Arc<dyn Backend>` (or any `Arc` of a store) like the store itself.
+///
+/// Inside the crate, call a held `Arc<dyn Backend>` through the trait object
+/// (`(*arc).acquire(..)`): a method call on the `Arc` itself picks this impl, which boxes one
+/// more future per call.
 #[async_trait]
 impl<B: Backend + ?Sized> Backend for Arc<B> {
     fn capabilities(&self) -> Capabilities {

@@ -5,7 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -26,8 +26,11 @@ use crate::watchdog::Kept;
 pub(crate) struct PendingClaim {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) claim: Claim,
-    /// The lease token, once granted.
-    pub(crate) lease: Option<Token>,
+    /// Granted: the lease token is known (the claim's own, or `reign`).
+    confirmed: bool,
+    /// The lease token when it is not the claim's own (a reentrant re-entry's reign).
+    /// Boxed: rare, and a held lease is kept small.
+    reign: Option<Box<Token>>,
     pub(crate) rt: Rt,
     pub(crate) armed: bool,
 }
@@ -37,10 +40,23 @@ impl PendingClaim {
         PendingClaim {
             backend,
             claim,
-            lease: None,
+            confirmed: false,
+            reign: None,
             rt: Rt::current(),
             armed: false,
         }
+    }
+
+    /// The claim was granted the lease `lease`.
+    pub(crate) fn granted(&mut self, lease: Token) {
+        self.confirmed = true;
+        self.reign = (lease != self.claim.token).then(|| Box::new(lease));
+    }
+
+    /// The lease token, once granted.
+    fn lease(&self) -> Option<&Token> {
+        self.confirmed
+            .then(|| self.reign.as_deref().unwrap_or(&self.claim.token))
     }
 }
 
@@ -49,7 +65,8 @@ impl Drop for PendingClaim {
         if !self.armed {
             return;
         }
-        let (backend, claim, lease) = (self.backend.clone(), self.claim.clone(), self.lease.take());
+        let lease = self.lease().cloned();
+        let (backend, claim) = (self.backend.clone(), self.claim.clone());
         self.rt.spawn(async move {
             let confirmed = lease.is_some();
             let how = match &lease {
@@ -57,7 +74,7 @@ impl Drop for PendingClaim {
                 None => Release::Abandon,
             };
             let key = &claim.key;
-            match backend.release(&claim, how).await {
+            match (*backend).release(&claim, how).await {
                 Ok(left) => {
                     if confirmed {
                         crate::telemetry::release(if left.is_some() { "released" } else { "not_held" });
@@ -111,8 +128,8 @@ struct Held {
     fence: u64,
     hold_count: Option<u32>,
     kept: Arc<Kept>,
-    /// Set when this guard ends, so its `lost()` resolves then.
-    done: Arc<Done>,
+    /// Set when this guard ends, so its `lost()` resolves then; made by the first `lost()`.
+    done: OnceLock<Arc<Done>>,
     release: PendingClaim,
     /// When the winning attempt was sent, for the hold-time metric.
     since: Instant,
@@ -121,7 +138,9 @@ struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         crate::telemetry::held(self.since.elapsed());
-        self.done.set();
+        if let Some(done) = self.done.get() {
+            done.set();
+        }
     }
 }
 
@@ -183,7 +202,7 @@ impl LockGuard {
                 fence,
                 hold_count,
                 kept,
-                done: Arc::default(),
+                done: OnceLock::new(),
                 release,
                 since: sent,
             })),
@@ -265,7 +284,7 @@ impl LockGuard {
     pub fn lost(&self) -> Lost {
         let h = self.held();
         let lost = h.kept.state.clone().lost();
-        let done = h.done.clone().wait();
+        let done = h.done.get_or_init(Arc::default).clone().wait();
         Lost {
             inner: Box::pin(async move {
                 future::select(Box::pin(lost), Box::pin(done)).await;
@@ -292,7 +311,7 @@ impl LockGuard {
             return Err(Error::NotHeld);
         }
         let claim = &h.release.claim;
-        let lease = h.release.lease.as_ref().unwrap_or(&claim.token);
+        let lease = h.release.lease().unwrap_or(&claim.token);
         let started = Instant::now();
         let mut one = claim.lease(lease);
         one.ttl = match h.kept.cap {
@@ -308,9 +327,7 @@ impl LockGuard {
             None => ttl,
         };
         let span = tracing::debug_span!("redlease.extend", key = %claim.key, ?ttl);
-        let reply = h
-            .release
-            .backend
+        let reply = (*h.release.backend)
             .extend(&[one], NodeTerms::new())
             .instrument(span)
             .await?;
@@ -353,9 +370,8 @@ impl LockGuard {
             key = %r.claim.key,
             outcome = tracing::field::Empty
         );
-        let lease = r.lease.as_ref().unwrap_or(&r.claim.token);
-        let released = r
-            .backend
+        let lease = r.lease().unwrap_or(&r.claim.token);
+        let released = (*r.backend)
             .release(&r.claim, Release::Confirmed { lease })
             .instrument(span.clone())
             .await;

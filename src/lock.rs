@@ -67,8 +67,15 @@ impl LockManager {
     /// [`Error::InvalidConfig`] for invalid options; [`Error::Unsupported`] for fair
     /// defaults on a store without fair locks.
     pub fn with_options(backend: impl Backend, defaults: LockOptions) -> Result<Self> {
+        Self::over(Arc::new(backend), defaults)
+    }
+
+    /// [`with_options`](Self::with_options) for a store the crate holds as a trait object
+    /// already (the cache's): not wrapped in one more `Arc`, whose calls would box one more
+    /// future each.
+    pub(crate) fn over(backend: Arc<dyn Backend>, defaults: LockOptions) -> Result<Self> {
         defaults.validate()?;
-        let manager = Self::build(Arc::new(backend), defaults);
+        let manager = Self::build(backend, defaults);
         manager.shared.engine.check(&manager.default_kind())?;
         Ok(manager)
     }
@@ -379,7 +386,7 @@ impl Lock {
     /// [`Error::InvalidConfig`] for an empty name; [`Error::Backend`] if the store fails.
     pub async fn inspect(&self) -> Result<Option<LockInfo>> {
         let target = self.target()?;
-        target.manager.backend.inspect(target.key).await
+        (*target.manager.backend).inspect(target.key).await
     }
 }
 

@@ -585,7 +585,7 @@ impl Cache {
 
     fn build(store: Arc<dyn ValueStore>, options: CacheOptions) -> Result<Self> {
         options.validate()?;
-        let locks = LockManager::with_options(store.backend(), options.lock_options())?;
+        let locks = LockManager::over(store.backend(), options.lock_options())?;
         Ok(Cache {
             inner: Arc::new(Inner {
                 store,

@@ -201,8 +201,9 @@ pub(crate) struct Kept {
     /// The maximum hold's end, if any: no extension reaches past it.
     pub(crate) cap: Option<Instant>,
     watch: Option<Registration>,
-    /// The map entry to take out when the last holder goes, for a shared lease.
-    shared: Option<(Arc<SharedLeases>, Token)>,
+    /// The map entry to take out when the last holder goes, for a shared lease (boxed: most
+    /// leases are not shared, and a held lease is kept small).
+    shared: Option<Box<(Arc<SharedLeases>, Token)>>,
 }
 
 impl Kept {
@@ -217,7 +218,7 @@ impl Kept {
 impl Drop for Kept {
     fn drop(&mut self) {
         drop(self.watch.take());
-        if let Some((map, token)) = &self.shared {
+        if let Some((map, token)) = self.shared.as_deref() {
             let mut map = lock_map(map);
             // Only if no newer lease took the slot.
             if map.get(token).is_some_and(|w| w.strong_count() == 0) {
@@ -318,7 +319,7 @@ impl Watchdog {
             watch,
             shared: lease
                 .shared
-                .then(|| (self.shared_leases.clone(), lease.token.clone())),
+                .then(|| Box::new((self.shared_leases.clone(), lease.token.clone()))),
         });
         if lease.shared {
             let replaced = lock_map(&self.shared_leases).insert(lease.token, Arc::downgrade(&kept));
@@ -503,8 +504,7 @@ async fn run(running: Running) {
         let started = Instant::now();
         let span = tracing::debug_span!("redlease.extend", leases = leases.len());
         // Never wait on a hung call past a deadline: the lost signal must not be late.
-        let extending = shared
-            .backend
+        let extending = (*shared.backend)
             .extend(&leases, NodeTerms::new())
             .instrument(span);
         let result = runtime::until(earliest_deadline, extending).await;

@@ -176,8 +176,10 @@ impl Backend for RedisBackend {
                 claim: claim.clone(),
                 attempt,
             },
+            // Boxed: inline, its state would make every plain acquire's future larger (and
+            // slower to move).
             ClaimKind::Reentrant(owner) => {
-                return self.reentrant_acquire(claim, owner, attempt, terms).await
+                return Box::pin(self.reentrant_acquire(claim, owner, attempt, terms)).await
             }
         };
         ops::acquired(claim, self.op(op).await?)
@@ -197,7 +199,8 @@ impl Backend for RedisBackend {
             Release::Abandon => None,
         };
         if let ClaimKind::Reentrant(owner) = &claim.kind {
-            return self.reentrant_release(claim, owner, lease).await;
+            // Boxed, as in `acquire`.
+            return Box::pin(self.reentrant_release(claim, owner, lease)).await;
         }
         let op = Op::Release {
             key: claim.key.clone(),

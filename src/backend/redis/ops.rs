@@ -2,7 +2,6 @@
 //! calls of one kind sent as one script call, see `batch.rs`). Reentrant claims go alone.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::time::Duration;
 
 use fred::interfaces::ClientLike;
@@ -98,7 +97,8 @@ impl RedisBackend {
     /// cluster, where a script may touch one slot only.
     pub(super) async fn op(&self, op: Op) -> Result<Reply> {
         if self.inner.clustered {
-            return batch::single(self.clone().ops_batch(vec![op]).await?);
+            // Boxed: the batcher's path is the common one, and keeps the future small.
+            return batch::single(Box::pin(self.clone().ops_batch(vec![op])).await?);
         }
         // A release is sent even if its caller stops waiting for the answer.
         let keep = matches!(op, Op::Release { .. });
@@ -115,7 +115,7 @@ impl RedisBackend {
     /// previous operation (the same phase if of the same kind: a script runs its entries in
     /// order); phases are sent back to back, in order, on the one connection. Distinct keys
     /// (the common case) make at most one phase per kind.
-    fn ops_batch(self, ops: Vec<Op>) -> impl Future<Output = Result<Vec<Reply>>> + Send {
+    async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Reply>> {
         let count = ops.len();
         let phases = if count == 1 {
             // A lone call (the inline path): no grouping to do.
@@ -124,38 +124,34 @@ impl RedisBackend {
             phases(ops.iter().map(|op| (op.kind(), op.key().as_str())))
         };
         let mut slots: Vec<Option<Op>> = ops.into_iter().map(Some).collect();
-        // Made (and so handed to the connection when first polled) in phase order: the
-        // phases go out back to back, and the server runs them in that order.
-        let calls: Vec<_> = phases
-            .into_iter()
-            .map(|(kind, idx)| {
-                let taken: Vec<Op> = idx.iter().filter_map(|&i| slots[i].take()).collect();
-                let this = self.clone();
-                async move {
-                    let replies = match kind {
-                        Kind::Acquire => this.acquire_batch(&taken).await?,
-                        Kind::Fair => this.fair_batch(&taken).await?,
-                        Kind::Release => this.release_batch(&taken).await?,
-                    };
-                    if replies.len() != idx.len() {
-                        return Err(Error::backend("a batched call returned the wrong count"));
-                    }
-                    Ok::<_, Error>((idx, replies))
+        let calls = phases.into_iter().map(|(kind, idx)| {
+            let taken: Vec<Op> = idx.iter().filter_map(|&i| slots[i].take()).collect();
+            let this = self.clone();
+            async move {
+                let replies = match kind {
+                    Kind::Acquire => this.acquire_batch(&taken).await?,
+                    Kind::Fair => this.fair_batch(&taken).await?,
+                    Kind::Release => this.release_batch(&taken).await?,
+                };
+                if replies.len() != idx.len() {
+                    return Err(Error::backend("a batched call returned the wrong count"));
                 }
-            })
-            .collect();
-        async move {
-            let mut out: Vec<Option<Reply>> = vec![None; count];
-            for phase in futures::future::join_all(calls).await {
-                let (idx, replies) = phase?;
-                for (i, reply) in idx.into_iter().zip(replies) {
-                    out[i] = Some(reply);
-                }
+                Ok::<_, Error>((idx, replies))
             }
-            out.into_iter()
-                .map(|r| r.ok_or_else(|| Error::backend("a batched operation got no reply")))
-                .collect()
+        });
+        // Polled in order, each call is handed to the connection on its first poll: the
+        // phases go out back to back, and the server runs them in that order.
+        let calls: Vec<_> = calls.collect();
+        let mut out: Vec<Option<Reply>> = vec![None; count];
+        for phase in futures::future::join_all(calls).await {
+            let (idx, replies) = phase?;
+            for (i, reply) in idx.into_iter().zip(replies) {
+                out[i] = Some(reply);
+            }
         }
+        out.into_iter()
+            .map(|r| r.ok_or_else(|| Error::backend("a batched operation got no reply")))
+            .collect()
     }
 
     /// Plain attempts as one `acquire.lua` call; one `{code, value}` per attempt, in order.
