@@ -1372,3 +1372,30 @@ async fn a_node_that_cannot_be_a_quorum_member_is_refused_when_the_redlock_is_ma
     assert!(locks.lock("quorum").try_acquire().await.unwrap().is_none());
     g.release().await.unwrap();
 }
+
+/// `Redlock::raise_fence` raises the counter on a majority of the nodes, so the next grant's
+/// token is above the raised value (on real servers, whose counters start at their clocks).
+#[tokio::test]
+async fn raise_fence_on_a_redlock_lifts_the_next_token_above_it() {
+    use redlease::backend::Backend;
+    let servers = start(3);
+    let nodes = connected_nodes(&servers).await;
+    let redlock = Redlock::with_options(nodes, guard_off()).unwrap();
+    let locks = LockManager::new(redlock);
+    let lock = locks.lock("raised");
+    let first = lock.acquire().await.unwrap();
+    let token = first.fencing_token();
+    first.release().await.unwrap();
+    let raised = token + 1_000_000_000;
+    locks
+        .backend()
+        .raise_fence(lock.key(), raised)
+        .await
+        .expect("a majority raised the fence");
+    let next = lock.acquire().await.unwrap();
+    assert!(
+        next.fencing_token() > raised,
+        "{} is not above the raised {raised}",
+        next.fencing_token()
+    );
+}
