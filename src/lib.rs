@@ -153,7 +153,8 @@ pub use guard::LockGuard;
 pub use info::LockInfo;
 pub use lock::{Lock, LockManager};
 pub use options::{
-    host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL,
+    host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL,
+    MIN_INTERVAL, MIN_TTL,
 };
 pub use stampede::{Cache, CacheBackend, CacheOptions, CacheStats};
 pub use token::{LeaseKey, Owner, Token};

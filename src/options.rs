@@ -15,6 +15,11 @@ pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 /// The longest wait between two checks of a waiting acquire.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(3600);
 
+/// The shortest [watchdog interval](LockOptions::watchdog_interval) and
+/// [retry delay](RetryPolicy::min_delay) accepted: below it the watchdog or a waiter would
+/// spin (a nanosecond made thousands of rounds a second), and no store answers sooner.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
+
 pub(crate) fn check_ttl(ttl: Duration) -> Result<()> {
     if ttl < MIN_TTL || ttl > MAX_TTL {
         return Err(Error::invalid(format!(
@@ -109,8 +114,9 @@ impl LockOptions {
         self
     }
 
-    /// How often the watchdog extends a held lease. Defaults to ttl/3; must be at most
-    /// ttl/2 so that a failed extension can be retried before the lease runs out.
+    /// How often the watchdog extends a held lease. Defaults to ttl/3; must be at least
+    /// [`MIN_INTERVAL`] (1 ms) and at most ttl/2, so that a failed extension can be retried
+    /// before the lease runs out.
     pub fn watchdog_interval(mut self, interval: Duration) -> Self {
         self.watchdog_interval = Some(interval);
         self
@@ -243,8 +249,10 @@ impl LockOptions {
     pub fn validate(&self) -> Result<()> {
         check_ttl(self.ttl)?;
         if let Some(interval) = self.watchdog_interval {
-            if interval.is_zero() {
-                return Err(Error::invalid("watchdog interval must be above zero"));
+            if interval < MIN_INTERVAL {
+                return Err(Error::invalid(format!(
+                    "watchdog interval must be at least {MIN_INTERVAL:?}, got {interval:?}"
+                )));
             }
             if interval >= self.ttl {
                 return Err(Error::invalid(format!(
@@ -360,13 +368,14 @@ impl RetryPolicy {
         }
     }
 
-    /// First back-off delay when polling. Defaults to 10 ms.
+    /// First back-off delay when polling. Defaults to 10 ms; at least [`MIN_INTERVAL`].
     pub fn min_delay(mut self, d: Duration) -> Self {
         self.min_delay = d;
         self
     }
 
-    /// Longest wait between two checks (the fallback re-check when notified).
+    /// Longest wait between two checks (the fallback re-check when notified). At least
+    /// [`MIN_INTERVAL`] and at most [`MAX_RETRY_DELAY`].
     pub fn max_delay(mut self, d: Duration) -> Self {
         self.max_delay = d;
         self
@@ -374,8 +383,12 @@ impl RetryPolicy {
 
     /// Checks the policy, naming the first problem found.
     pub fn validate(&self) -> Result<()> {
-        if self.min_delay.is_zero() || self.max_delay.is_zero() {
-            return Err(Error::invalid("retry delays must be above zero"));
+        if self.min_delay < MIN_INTERVAL || self.max_delay < MIN_INTERVAL {
+            return Err(Error::invalid(format!(
+                "retry delays must be at least {MIN_INTERVAL:?}, got min_delay {:?} and \
+                 max_delay {:?}",
+                self.min_delay, self.max_delay
+            )));
         }
         if self.max_delay > MAX_RETRY_DELAY {
             return Err(Error::invalid(format!(

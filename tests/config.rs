@@ -204,3 +204,50 @@ async fn huge_durations_never_panic() {
         .unwrap();
     forever.acquire().await.unwrap().release().await.unwrap();
 }
+
+/// A nanosecond watchdog interval made thousands of rounds a second, and a nanosecond
+/// command timeout failed every command: below their minimums, intervals, delays and
+/// timeouts are refused, naming the minimum; at the minimum they are accepted.
+#[tokio::test]
+async fn intervals_delays_and_timeouts_below_their_minimum_are_refused() {
+    let tiny = Duration::from_nanos(1);
+    let min = redlease::MIN_INTERVAL;
+    let cases: Vec<LockOptions> = vec![
+        LockOptions::new().watchdog_interval(tiny),
+        LockOptions::new().watchdog_interval(min - tiny),
+        LockOptions::new().retry(RetryPolicy::polling().min_delay(tiny)),
+        LockOptions::new().retry(RetryPolicy::notify().max_delay(min - tiny)),
+    ];
+    for opts in cases {
+        let msg = invalid_message(opts.validate());
+        assert!(msg.contains("1ms"), "{msg:?} should name the minimum");
+    }
+    let ttl = LockOptions::new().ttl(redlease::MIN_TTL);
+    assert!(ttl.clone().watchdog_interval(min).validate().is_ok());
+    assert!(LockOptions::new()
+        .retry(RetryPolicy::polling().min_delay(min).max_delay(min))
+        .validate()
+        .is_ok());
+
+    // Redis timeouts: refused before anything is sent (nothing listens on port 1).
+    for opts in [
+        RedisOptions::new().command_timeout(tiny),
+        RedisOptions::new().connect_timeout(RedisOptions::MIN_TIMEOUT - tiny),
+    ] {
+        let msg = invalid_message(connect_bounded("redis://127.0.0.1:1", opts).await);
+        assert!(msg.contains("10ms"), "{msg:?} should name the minimum");
+    }
+    // At the minimum the options are accepted (a lazy backend checks them and nothing else).
+    let at_min = RedisOptions::new()
+        .command_timeout(RedisOptions::MIN_TIMEOUT)
+        .connect_timeout(RedisOptions::MIN_TIMEOUT);
+    RedisBackend::connect_lazy("redis://127.0.0.1:1", at_min)
+        .await
+        .expect("timeouts at the minimum are accepted");
+
+    let msg = invalid_message(redlease::Redlock::with_options(
+        vec![MemoryBackend::new()],
+        redlease::RedlockOptions::new().node_timeout(Duration::from_micros(999)),
+    ));
+    assert!(msg.contains("node_timeout"), "{msg}");
+}

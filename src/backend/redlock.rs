@@ -134,9 +134,11 @@ impl RedlockOptions {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
-        if self.node_timeout.is_zero() || self.node_timeout > Duration::from_secs(60) {
+        if self.node_timeout < Duration::from_millis(1)
+            || self.node_timeout > Duration::from_secs(60)
+        {
             return Err(Error::invalid(format!(
-                "Redlock node_timeout must be more than zero and at most 60 s, got {:?}",
+                "Redlock node_timeout must be at least 1 ms and at most 60 s, got {:?}",
                 self.node_timeout
             )));
         }

@@ -50,6 +50,10 @@ impl Default for RedisOptions {
 }
 
 impl RedisOptions {
+    /// The shortest command and connect timeouts accepted: below it every command would fail
+    /// (a nanosecond was accepted once, and then nothing worked), even on loopback.
+    pub const MIN_TIMEOUT: Duration = Duration::from_millis(10);
+
     /// The defaults: command timeout 2 s, connect timeout 5 s, 3 attempts per command.
     pub fn new() -> Self {
         Self::default()
@@ -57,7 +61,8 @@ impl RedisOptions {
 
     /// How long one command may take before it fails with [`Error::Backend`] (a paused
     /// server, a stalled network). A silent connection is also dropped and re-opened after
-    /// twice this. Defaults to 2 s.
+    /// twice this. Defaults to 2 s; from [`MIN_TIMEOUT`](Self::MIN_TIMEOUT) (10 ms) to an
+    /// hour.
     pub fn command_timeout(mut self, d: Duration) -> Self {
         self.command_timeout = d;
         self
@@ -83,9 +88,10 @@ impl RedisOptions {
             ("command", self.command_timeout),
             ("connect", self.connect_timeout),
         ] {
-            if t.is_zero() || t > hour {
+            if t < Self::MIN_TIMEOUT || t > hour {
                 return Err(Error::invalid(format!(
-                    "Redis {name} timeout must be above zero and at most an hour, got {t:?}"
+                    "Redis {name} timeout must be at least {:?} and at most an hour, got {t:?}",
+                    Self::MIN_TIMEOUT
                 )));
             }
         }
