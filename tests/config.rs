@@ -251,3 +251,80 @@ async fn intervals_delays_and_timeouts_below_their_minimum_are_refused() {
     ));
     assert!(msg.contains("node_timeout"), "{msg}");
 }
+
+/// Polls `f` (an attempt on the store) every 20 ms until it says yes, for at most 10 s: the
+/// reconnect it waits for is not an event the test can await.
+async fn until<F, Fut>(mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+fn policy_refusal(r: redlease::Result<impl std::fmt::Debug>, policy: &str) {
+    let msg = invalid_message(r);
+    assert!(
+        msg.contains(policy) && msg.contains("noeviction") && msg.contains("allow_eviction"),
+        "names the policy and the fix: {msg}"
+    );
+}
+
+/// A server that may evict keys frees locks behind their holders' backs: refused at connect,
+/// naming the policy and the fix, unless accepted explicitly (`volatile-*` too: every lease
+/// has a TTL).
+#[tokio::test]
+async fn a_server_that_may_evict_keys_is_refused_at_connect_unless_accepted() {
+    for policy in ["allkeys-lru", "allkeys-random", "volatile-lru"] {
+        let srv = RedisServer::start_with(&["--maxmemory-policy", policy]);
+        policy_refusal(
+            connect_bounded(&srv.url(), RedisOptions::new()).await,
+            policy,
+        );
+        let accepted = connect_bounded(&srv.url(), RedisOptions::new().allow_eviction(true))
+            .await
+            .expect("accepted explicitly");
+        let locks = LockManager::new(accepted);
+        let held = locks.lock("evictable").try_acquire().await.unwrap();
+        assert!(held.is_some(), "{policy}: locks work once accepted");
+    }
+}
+
+/// Every connection reads the policy again: after a reconnect finds an evicting policy, new
+/// acquires are refused; once the server is fixed and a connection made again, they work.
+#[tokio::test]
+async fn a_reconnect_that_finds_an_evicting_policy_refuses_new_acquires() {
+    let srv = RedisServer::start();
+    let locks = LockManager::new(
+        connect_bounded(&srv.url(), RedisOptions::new())
+            .await
+            .unwrap(),
+    );
+    let lock = locks.lock("policy");
+    lock.try_acquire()
+        .await
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+
+    srv.cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-random"]);
+    srv.kill_clients();
+    let refused =
+        until(|| async { matches!(lock.try_acquire().await, Err(Error::InvalidConfig(_))) }).await;
+    assert!(refused, "an acquire after the reconnect must be refused");
+    policy_refusal(lock.try_acquire().await, "allkeys-random");
+
+    srv.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    srv.kill_clients();
+    let works = until(|| async { matches!(lock.try_acquire().await, Ok(Some(_))) }).await;
+    assert!(works, "acquires work again once the server is fixed");
+}

@@ -63,6 +63,9 @@ struct Inner {
     pubsub: Arc<pubsub::PubSub>,
     clustered: bool,
     ops: batch::Batcher<Op, ops::Reply>,
+    /// The server's eviction policy (read at every connection): new acquires are refused
+    /// while it may evict leases, unless that is accepted.
+    policy: Arc<connect::Policy>,
 }
 
 struct Scripts {
@@ -164,6 +167,7 @@ impl Backend for RedisBackend {
     }
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
+        self.inner.policy.check()?;
         self.check_connected(terms)?;
         let op = match &claim.kind {
             ClaimKind::Plain => Op::Acquire {

@@ -1,7 +1,8 @@
 //! Connecting: URLs, connection options, the fred client's settings, loading the scripts,
 //! the server version check; also [`Redlock::connect`] over Redis servers.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fred::interfaces::{ClientLike, EventInterface};
@@ -37,6 +38,9 @@ pub struct RedisOptions {
     /// How many times a command is sent when the connection drops while it is in flight.
     /// Default 3.
     pub max_command_attempts: u32,
+    /// Whether a server that may evict keys is accepted; see
+    /// [`allow_eviction`](Self::allow_eviction()). Default `false`.
+    pub allow_eviction: bool,
 }
 
 impl Default for RedisOptions {
@@ -45,6 +49,7 @@ impl Default for RedisOptions {
             command_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(5),
             max_command_attempts: 3,
+            allow_eviction: false,
         }
     }
 }
@@ -79,6 +84,20 @@ impl RedisOptions {
     /// Defaults to 3.
     pub fn max_command_attempts(mut self, n: u32) -> Self {
         self.max_command_attempts = n;
+        self
+    }
+
+    /// Accept a server whose `maxmemory-policy` may evict keys (anything but `noeviction`:
+    /// the `volatile-*` policies evict leases too, since every lease has a TTL). Defaults to
+    /// `false`: such a server is refused at connect with [`Error::InvalidConfig`] naming the
+    /// policy, and if a reconnect finds one, every acquire is refused the same way.
+    ///
+    /// Why: a full server evicting lease keys frees locks behind their holders' backs; another
+    /// client takes them while the holder still holds a guard that is not lost (until its next
+    /// extension is refused). With `true`, a warning is logged at every connect, and mutual
+    /// exclusion holds only while the server is below `maxmemory`.
+    pub fn allow_eviction(mut self, yes: bool) -> Self {
+        self.allow_eviction = yes;
         self
     }
 
@@ -139,7 +158,8 @@ fn parse_url(url: &str) -> Result<Config> {
 
 impl RedisBackend {
     /// Connects with default [`RedisOptions`]. Fails with [`Error::InvalidConfig`] for a bad
-    /// URL or a server older than Redis 7.0, and [`Error::Backend`] when the server does not
+    /// URL, a server older than Redis 7.0 or one that may evict keys (see
+    /// [`RedisOptions::allow_eviction`]), and [`Error::Backend`] when the server does not
     /// answer within the connect timeout.
     ///
     /// A URL's `user:password@` authenticates with ACL `AUTH`; `/N` selects database N.
@@ -200,7 +220,8 @@ impl RedisBackend {
         let client = builder.build().map_err(Error::backend)?;
         builder.set_config(subscriber_config);
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
-        Self::assemble(client, subscriber, clustered, wait).await
+        let policy = Arc::new(Policy::new(options.allow_eviction));
+        Self::assemble(client, subscriber, clustered, wait, policy).await
     }
 
     /// A backend over a fred client the application already has (its connection, its
@@ -224,7 +245,8 @@ impl RedisBackend {
     /// # Errors
     ///
     /// [`Error::Backend`] if the client cannot connect or its settings cannot make a
-    /// subscriber; [`Error::InvalidConfig`] for a server older than Redis 7.0.
+    /// subscriber; [`Error::InvalidConfig`] for a server older than Redis 7.0, or one whose
+    /// `maxmemory-policy` may evict keys (see [`RedisOptions::allow_eviction`]).
     pub async fn from_client(client: Client) -> Result<Self> {
         let config = client.client_config();
         let clustered = config.server.is_clustered();
@@ -236,7 +258,8 @@ impl RedisBackend {
             builder.set_policy(policy);
         }
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
-        Box::pin(Self::assemble(client, subscriber, clustered, true)).await
+        let policy = Arc::new(Policy::new(false));
+        Box::pin(Self::assemble(client, subscriber, clustered, true, policy)).await
     }
 
     /// The backend over `client` and `subscriber`: loads the scripts on every connection,
@@ -246,21 +269,28 @@ impl RedisBackend {
         subscriber: fred::clients::SubscriberClient,
         clustered: bool,
         wait: bool,
+        policy: Arc<Policy>,
     ) -> Result<Self> {
         let scripts = Scripts::new();
         // Every connection (the first, and each after a reconnect: a restarted server has
         // no scripts) loads the scripts, so that calls are one EVALSHA, not a NOSCRIPT round
         // trip plus a reload that later commands could overtake.
+        // Each connection also reads the server's eviction policy (a server can be
+        // reconfigured, or replaced, between two connections).
         let all = scripts.all();
         let reloader = client.clone();
+        let watched = policy.clone();
         // The connection tasks and this listener run where `init` runs them: on the
         // caller's tokio runtime, or the crate's own one.
         in_tokio(async {
             drop(reloader.clone().on_reconnect(move |_| {
-                let (client, all) = (reloader.clone(), all.clone());
+                let (client, all, policy) = (reloader.clone(), all.clone(), watched.clone());
                 async move {
                     let loads = all.iter().map(|s| s.load(&client));
                     let _ = futures::future::join_all(loads).await;
+                    if let Ok(info) = client.info::<String>(Some(InfoKind::Memory)).await {
+                        policy.observe(&info);
+                    }
                     Ok(())
                 }
             }))
@@ -274,6 +304,10 @@ impl RedisBackend {
             if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Server))).await {
                 check_version(&info)?;
             }
+            if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Memory))).await {
+                policy.observe(&info);
+            }
+            policy.check()?;
             // Also here, so that they are there when `connect` returns. try_join_all keeps
             // the loads on the heap: fred's futures are large.
             let all = scripts.all();
@@ -293,6 +327,7 @@ impl RedisBackend {
                 pubsub: Arc::new(PubSub::new(subscriber)),
                 clustered,
                 ops: Batcher::default(),
+                policy,
             }),
         })
     }
@@ -301,6 +336,62 @@ impl RedisBackend {
     /// up on the first connection.
     async fn ready(&self) -> bool {
         in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
+    }
+}
+
+/// The server's eviction policy as last read, and whether an evicting one is accepted.
+pub(super) struct Policy {
+    allowed: bool,
+    /// Set while the server's policy may evict keys and that is not accepted.
+    refusing: AtomicBool,
+    /// The policy last read.
+    name: Mutex<String>,
+}
+
+impl Policy {
+    fn new(allowed: bool) -> Self {
+        Policy {
+            allowed,
+            refusing: AtomicBool::new(false),
+            name: Mutex::new(String::new()),
+        }
+    }
+
+    /// Takes note of the policy in `info` (an `INFO memory` reply); a reply that does not
+    /// say changes nothing (an ACL refusing INFO lets the server through unchecked).
+    fn observe(&self, info: &str) {
+        let Some(policy) = info
+            .lines()
+            .find_map(|l| l.strip_prefix("maxmemory_policy:"))
+            .map(str::trim)
+        else {
+            return;
+        };
+        let evicts = policy != "noeviction";
+        if evicts && self.allowed {
+            tracing::warn!(
+                policy,
+                "the Redis server may evict keys (maxmemory-policy {policy}): a lease evicted \
+                 under memory pressure frees its lock while the holder still holds it"
+            );
+        }
+        *self.name.lock().unwrap_or_else(|p| p.into_inner()) = policy.to_owned();
+        self.refusing
+            .store(evicts && !self.allowed, Ordering::Release);
+    }
+
+    /// Refuses while the server may evict keys and that is not accepted.
+    pub(super) fn check(&self) -> Result<()> {
+        if !self.refusing.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let name = self.name.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Err(Error::invalid(format!(
+            "the Redis server's maxmemory-policy is {name}: it may evict lease keys and free \
+             locks behind their holders; set it to noeviction (CONFIG SET maxmemory-policy \
+             noeviction, and in redis.conf), or accept the risk with \
+             RedisOptions::allow_eviction(true)"
+        )))
     }
 }
 
