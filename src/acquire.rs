@@ -180,9 +180,19 @@ impl<'a> Attempts<'a> {
         self.pending.armed = true;
         let backend = &*self.target.manager.backend;
         let sent = backend.acquire(&self.pending.claim, attempt, NodeTerms::new());
-        let outcome = runtime::until(limit, sent)
-            .await
-            .ok_or_else(|| self.timeout())??;
+        let outcome = match runtime::until(limit, sent).await {
+            None => return Err(self.timeout()),
+            Some(Ok(outcome)) => outcome,
+            Some(Err(e)) => {
+                // Refused before anything was sent (bad input, or a store that cannot serve
+                // it or will not now, as a server that may evict keys): nothing to give
+                // back. Any other error leaves the outcome unknown, and the claim armed.
+                if matches!(e, Error::InvalidConfig(_) | Error::Unsupported(_)) {
+                    self.pending.armed = false;
+                }
+                return Err(e);
+            }
+        };
         Ok(match outcome {
             Acquire::Granted(grant) => Tried::Granted(grant),
             Acquire::Held { remaining } => {

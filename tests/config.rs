@@ -327,4 +327,7 @@ async fn a_reconnect_that_finds_an_evicting_policy_refuses_new_acquires() {
     srv.kill_clients();
     let works = until(|| async { matches!(lock.try_acquire().await, Ok(Some(_))) }).await;
     assert!(works, "acquires work again once the server is fixed");
+    // A refused attempt sent nothing, so nothing was abandoned (no tombstone written).
+    let tombstones = lock.key().derived("abandoned");
+    assert_eq!(srv.cmd(&["EXISTS", &tombstones]).as_int(), Some(0));
 }
