@@ -366,6 +366,40 @@ pub struct Lease<'a> {
     pub ttl: Duration,
 }
 
+/// What became of one lease in [`Backend::extend`].
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::backend::Extended;
+///
+/// let held = Extended::Held(Duration::from_secs(5));
+/// assert_eq!(held.validity(), Some(Duration::from_secs(5)));
+/// assert_eq!(Extended::Gone.validity(), None);
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Extended {
+    /// Extended: valid for this long, counted from the call's start.
+    Held(Duration),
+    /// Lost: the key no longer holds that token (expired, taken over, or no longer a lease at
+    /// all), or the node is up for less than `terms.min_uptime`.
+    Gone,
+    /// Not known now: this lease's command failed while its neighbours' did not (or the node
+    /// did not answer). The watchdog tries it again soon; it is lost only if its deadline
+    /// passes first.
+    Failed(Error),
+}
+
+impl Extended {
+    /// The validity, when extended.
+    pub fn validity(&self) -> Option<Duration> {
+        match self {
+            Extended::Held(v) => Some(*v),
+            _ => None,
+        }
+    }
+}
+
 /// A store that can hold leases: the only thing the lock layer talks to.
 ///
 /// # Contract
@@ -417,11 +451,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// One atomic attempt to grant `claim`; `attempt` says whether the caller waits.
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire>;
 
-    /// Extends many leases in as few round trips as the store allows. Returns, per lease in
-    /// order, `Some(validity)` (counted from the call's start) or `None` if the key no longer
-    /// holds that token (or the node is up for less than `terms.min_uptime`).
-    async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms)
-        -> Result<Vec<Option<Duration>>>;
+    /// Extends many leases in as few round trips as the store allows. Returns what became of
+    /// each lease, in order; an error for one lease is that lease's
+    /// [`Extended::Failed`], and `Err` is for a call that reached no lease at all.
+    async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>>;
 
     /// Gives `claim` back (see [`Release`]). Returns `Some(left)` when the claim held the
     /// lease, `left` being the holds still on it (0: the lease is deleted; always 0 but for
@@ -458,11 +491,7 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
         (**self).acquire(claim, attempt, terms).await
     }
 
-    async fn extend(
-        &self,
-        leases: &[Lease<'_>],
-        terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
+    async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
         (**self).extend(leases, terms).await
     }
 

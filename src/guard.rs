@@ -13,7 +13,7 @@ use event_listener::Event;
 use futures::future::{self, BoxFuture};
 use tracing::Instrument;
 
-use crate::backend::{Backend, Claim, ClaimKind, NodeTerms, Release};
+use crate::backend::{Backend, Claim, ClaimKind, Extended, NodeTerms, Release};
 use crate::error::{Error, Result};
 use crate::options::{check_ttl, MIN_TTL};
 use crate::runtime::Rt;
@@ -331,11 +331,13 @@ impl LockGuard {
             .extend(&[one], NodeTerms::new())
             .instrument(span)
             .await?;
-        match reply.first().copied().flatten() {
-            Some(validity) if h.kept.state.confirm(started, validity) => {
+        match reply.into_iter().next() {
+            Some(Extended::Held(validity)) if h.kept.state.confirm(started, validity) => {
                 h.kept.set_ttl(ttl);
                 Ok(())
             }
+            // This lease's command failed: not lost by that alone.
+            Some(Extended::Failed(e)) => Err(e),
             _ => {
                 // Counted as lost by the watchdog, which drops the lease at its next look.
                 tracing::warn!(key = %claim.key, "lease lost: extension refused");

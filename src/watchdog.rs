@@ -10,7 +10,7 @@ use event_listener::Event;
 use futures::future;
 use tracing::Instrument;
 
-use crate::backend::{Backend, Lease, NodeTerms};
+use crate::backend::{Backend, Extended, Lease, NodeTerms};
 use crate::options::MIN_TTL;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
@@ -512,15 +512,26 @@ async fn run(running: Running) {
         let mut reg = shared.registry();
         reg.stats.rounds += 1;
         match result {
-            Some(Ok(validities)) => {
-                for (d, validity) in due.iter().zip(validities) {
+            Some(Ok(outcomes)) => {
+                let mut failed = 0;
+                let retry_at = Instant::now();
+                for (d, outcome) in due.iter().zip(outcomes) {
                     let Some(e) = reg.entries.get_mut(&d.id) else {
                         continue;
                     };
-                    match validity {
-                        Some(v) if e.state.confirm(started, v) => {
+                    match outcome {
+                        Extended::Held(v) if e.state.confirm(started, v) => {
                             e.next_due = started + e.interval;
                             reg.stats.extended += 1;
+                        }
+                        Extended::Failed(err) => {
+                            // This lease's command failed, its neighbours' did not: only it is
+                            // tried again, and it is lost only at its deadline.
+                            if failed == 0 {
+                                tracing::warn!(key = %d.key, error = %err, "lease extension failed; retrying");
+                            }
+                            failed += 1;
+                            e.next_due = retry_at + retry_after(e.interval);
                         }
                         _ => {
                             // Refused, or confirmed only after the deadline had passed.
@@ -534,6 +545,9 @@ async fn run(running: Running) {
                         }
                     }
                 }
+                if failed > 1 {
+                    tracing::warn!(leases = failed, "lease extensions failed; retrying");
+                }
             }
             failed => {
                 match failed {
@@ -545,10 +559,15 @@ async fn run(running: Running) {
                 let retry_at = Instant::now();
                 for d in &due {
                     if let Some(e) = reg.entries.get_mut(&d.id) {
-                        e.next_due = retry_at + (e.interval / 8).max(Duration::from_millis(5));
+                        e.next_due = retry_at + retry_after(e.interval);
                     }
                 }
             }
         }
     }
+}
+
+/// How soon a lease whose extension failed is tried again.
+fn retry_after(interval: Duration) -> Duration {
+    (interval / 8).max(Duration::from_millis(5))
 }

@@ -122,7 +122,7 @@ impl Backend for WatchedMemory {
         &self,
         leases: &[Lease<'_>],
         terms: NodeTerms,
-    ) -> redlease::Result<Vec<Option<Duration>>> {
+    ) -> redlease::Result<Vec<redlease::backend::Extended>> {
         self.inner.extend(leases, terms).await
     }
 

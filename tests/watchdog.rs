@@ -144,7 +144,7 @@ impl Backend for SlowReply {
         &self,
         leases: &[Lease<'_>],
         terms: NodeTerms,
-    ) -> redlease::Result<Vec<Option<Duration>>> {
+    ) -> redlease::Result<Vec<redlease::backend::Extended>> {
         let reply = self.inner.extend(leases, terms).await;
         if self.hold_next.swap(false, Ordering::SeqCst) {
             self.held.notify_one();

@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use event_listener::{Event, IntoNotification};
 
 use crate::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Grant, Lease, NodeTerms, Release,
-    Subscription,
+    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Extended, Grant, Lease, NodeTerms,
+    Release, Subscription,
 };
 use crate::error::Result;
 use crate::info::LockInfo;
@@ -254,11 +254,7 @@ impl Backend for MemoryBackend {
         })
     }
 
-    async fn extend(
-        &self,
-        leases: &[Lease<'_>],
-        _terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
+    async fn extend(&self, leases: &[Lease<'_>], _terms: NodeTerms) -> Result<Vec<Extended>> {
         let now = Instant::now();
         let mut st = self.state();
         Ok(leases
@@ -267,9 +263,9 @@ impl Backend for MemoryBackend {
                 Some((t, exp)) if t == l.token && *exp > now => {
                     // Callers bound ttl by MAX_TTL; saturate anyway rather than panic.
                     *exp = now.checked_add(l.ttl).unwrap_or(*exp);
-                    Some(l.ttl)
+                    Extended::Held(l.ttl)
                 }
-                _ => None,
+                _ => Extended::Gone,
             })
             .collect())
     }

@@ -15,7 +15,7 @@ use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
 
 use crate::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Lease, NodeTerms, Release,
+    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Extended, Lease, NodeTerms, Release,
     Subscription,
 };
 use crate::error::{Error, Result};
@@ -62,7 +62,7 @@ struct Inner {
     scripts: Scripts,
     pubsub: Arc<pubsub::PubSub>,
     clustered: bool,
-    ops: batch::Batcher<Op, ops::Reply>,
+    ops: batch::Batcher<Op, ops::Outcome>,
     /// The server's eviction policy (read at every connection): new acquires are refused
     /// while it may evict leases, unless that is accepted.
     policy: Arc<connect::Policy>,
@@ -88,16 +88,25 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         let lua = Script::from_lua;
+        // The lease scripts share `prelude.lua`: in a batch, one lease's failure is its own.
+        macro_rules! leases {
+            ($file:literal) => {
+                lua(concat!(
+                    include_str!("redis/scripts/prelude.lua"),
+                    include_str!(concat!("redis/scripts/", $file))
+                ))
+            };
+        }
         Scripts {
-            acquire: lua(include_str!("redis/scripts/acquire.lua")),
-            extend: lua(include_str!("redis/scripts/extend.lua")),
-            release: lua(include_str!("redis/scripts/release.lua")),
+            acquire: leases!("acquire.lua"),
+            extend: leases!("extend.lua"),
+            release: leases!("release.lua"),
             fence: lua(include_str!("redis/scripts/fence.lua")),
-            fair_acquire: lua(include_str!("redis/scripts/fair_acquire.lua")),
+            fair_acquire: leases!("fair_acquire.lua"),
             inspect: lua(include_str!("redis/scripts/inspect.lua")),
             reentrant_acquire: lua(include_str!("redis/scripts/reentrant_acquire.lua")),
-            reentrant_release: lua(include_str!("redis/scripts/reentrant_release.lua")),
-            reentrant_extend: lua(include_str!("redis/scripts/reentrant_extend.lua")),
+            reentrant_release: leases!("reentrant_release.lua"),
+            reentrant_extend: leases!("reentrant_extend.lua"),
             fenced_set: lua(include_str!("redis/scripts/fenced_set.lua")),
             cache_read: lua(include_str!("redis/scripts/cache_read.lua")),
             cache_fill: lua(include_str!("redis/scripts/cache_fill.lua")),
@@ -189,11 +198,7 @@ impl Backend for RedisBackend {
         ops::acquired(claim, self.op(op).await?)
     }
 
-    async fn extend(
-        &self,
-        leases: &[Lease<'_>],
-        terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
+    async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
         self.extend_leases(leases, terms).await
     }
 

@@ -22,8 +22,8 @@ use async_trait::async_trait;
 use futures::future;
 
 use crate::backend::{
-    not_sent, short_debug, Acquire, Attempt, Backend, Capabilities, Claim, Grant, Lease, NodeTerms,
-    Release, Subscription,
+    not_sent, short_debug, Acquire, Attempt, Backend, Capabilities, Claim, Extended, Grant, Lease,
+    NodeTerms, Release, Subscription,
 };
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
@@ -706,11 +706,7 @@ impl Backend for Redlock {
             .await
     }
 
-    async fn extend(
-        &self,
-        leases: &[Lease<'_>],
-        _terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
+    async fn extend(&self, leases: &[Lease<'_>], _terms: NodeTerms) -> Result<Vec<Extended>> {
         let started = Instant::now();
         let (n, q) = (self.nodes.len(), self.quorum());
         if leases.is_empty() {
@@ -731,33 +727,31 @@ impl Backend for Redlock {
             )
             .await;
         let elapsed = started.elapsed();
-        let mut out = Vec::with_capacity(count);
-        let mut undecided = 0;
-        let mut worst = q;
-        for (i, lease) in leases.iter().enumerate() {
-            let t = tally(&replies, i);
-            let validity = self.validity(lease.ttl).min(t.validity);
-            if t.extended >= q && elapsed < validity {
-                out.push(Some(validity));
-            } else {
-                // Confirmed too late, refused by enough nodes, or not confirmable now.
-                if t.extended < q && t.refused <= n - q {
-                    undecided += 1;
-                    worst = worst.min(t.extended);
+        Ok(leases
+            .iter()
+            .enumerate()
+            .map(|(i, lease)| {
+                let t = tally(&replies, i);
+                let validity = self.validity(lease.ttl).min(t.validity);
+                if t.extended >= q {
+                    if elapsed < validity {
+                        Extended::Held(validity)
+                    } else {
+                        // Confirmed too late.
+                        Extended::Gone
+                    }
+                } else if t.refused > n - q {
+                    Extended::Gone
+                } else {
+                    // Not confirmable now (too few nodes answered for this lease): tried
+                    // again, and lost only at its deadline.
+                    Extended::Failed(Error::QuorumNotReached {
+                        acquired: t.extended,
+                        required: q,
+                    })
                 }
-                out.push(None);
-            }
-        }
-        if undecided == count {
-            // Nothing could be decided (too few nodes answered): the watchdog retries, and
-            // a lease is lost only when its deadline passes. Where some leases were decided,
-            // the nodes answered, and a lease they cannot confirm is lost now.
-            return Err(Error::QuorumNotReached {
-                acquired: worst,
-                required: q,
-            });
-        }
-        Ok(out)
+            })
+            .collect())
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
@@ -887,7 +881,7 @@ impl Tally {
     }
 }
 
-fn tally(replies: &Replies<Vec<Option<Duration>>>, lease: usize) -> Tally {
+fn tally(replies: &Replies<Vec<Extended>>, lease: usize) -> Tally {
     let mut t = Tally {
         extended: 0,
         refused: 0,
@@ -895,13 +889,13 @@ fn tally(replies: &Replies<Vec<Option<Duration>>>, lease: usize) -> Tally {
         validity: Duration::MAX,
     };
     for reply in replies.iter().flatten() {
-        match reply.as_ref().map(|v| v.get(lease).copied().flatten()) {
-            Ok(Some(v)) => {
+        match reply.as_ref().map(|v| v.get(lease)) {
+            Ok(Some(Extended::Held(v))) => {
                 t.extended += 1;
-                t.validity = t.validity.min(v);
+                t.validity = t.validity.min(*v);
             }
-            Ok(None) => t.refused += 1,
-            Err(_) => t.failed += 1,
+            Ok(Some(Extended::Gone)) => t.refused += 1,
+            _ => t.failed += 1,
         }
     }
     t

@@ -26,7 +26,7 @@ impl Backend for PlainOnly {
         &self,
         leases: &[Lease<'_>],
         terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
+    ) -> Result<Vec<redlease::backend::Extended>> {
         self.0.extend(leases, terms).await
     }
 

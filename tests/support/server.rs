@@ -397,7 +397,13 @@ impl RedisServer {
     /// the commands a script makes as commands too, so `total_commands` cannot show how many
     /// leases rode in one call.)
     pub fn script_calls(&self) -> u64 {
-        self.info_field("commandstats", "cmdstat_evalsha")
+        self.command_calls("evalsha")
+    }
+
+    /// Calls of command `name` (lower case, e.g. `subscribe`) so far, from
+    /// `INFO commandstats`.
+    pub fn command_calls(&self, name: &str) -> u64 {
+        self.info_field("commandstats", &format!("cmdstat_{name}"))
             .and_then(|s| {
                 s.split(',')
                     .find_map(|kv| kv.strip_prefix("calls="))

@@ -3,13 +3,12 @@
 //! the lease), the calls of one round sent at once.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use fred::types::{Key, Value};
 
 use super::keys::{fence_clock, fence_due, ms, part, Part};
 use super::RedisBackend;
-use crate::backend::{clock_drift, Lease, NodeTerms};
+use crate::backend::{clock_drift, Extended, Lease, NodeTerms};
 use crate::error::{Error, Result};
 
 /// Leases extended by one script call; bigger batches are split and the calls pipelined.
@@ -20,7 +19,7 @@ impl RedisBackend {
         &self,
         leases: &[Lease<'_>],
         terms: NodeTerms,
-    ) -> Result<Vec<Option<Duration>>> {
+    ) -> Result<Vec<Extended>> {
         self.check_connected(terms)?;
         let min_uptime = ms(terms.min_uptime);
         let now = fence_clock();
@@ -49,8 +48,9 @@ impl RedisBackend {
                     };
                     args.push(renew.into());
                 }
-                let reply: Vec<i64> = self.eval(&self.inner.scripts.extend, keys, args).await?;
-                Ok::<_, Error>((idx, reply))
+                let reply: Result<Vec<Value>> =
+                    self.eval(&self.inner.scripts.extend, keys, args).await;
+                (idx, reply)
             });
         let reign_calls = self
             .chunks(leases, &holds)
@@ -70,28 +70,44 @@ impl RedisBackend {
                     args.push(l.token.as_str().into());
                     args.push(ms(l.ttl).into());
                 }
-                let reply: Vec<i64> = self
+                let reply: Result<Vec<Value>> = self
                     .eval(&self.inner.scripts.reentrant_extend, keys, args)
-                    .await?;
-                Ok::<_, Error>((idx, reply))
+                    .await;
+                (idx, reply)
             });
         // Both kinds at once: one round trip for the round, not one per kind.
         let (plain_out, reign_out) = futures::join!(
             futures::future::join_all(plain_calls),
             futures::future::join_all(reign_calls)
         );
-        let mut out = vec![None; leases.len()];
-        for chunk in plain_out.into_iter().chain(reign_out) {
-            let (idx, reply) = chunk?;
-            if reply.len() != idx.len() {
-                return Err(Error::backend("extend script returned the wrong count"));
-            }
-            for (i, ok) in idx.into_iter().zip(reply) {
-                let ttl = leases[i].ttl;
-                out[i] = (ok == 1).then(|| ttl.saturating_sub(clock_drift(ttl)));
+        let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
+        for (idx, reply) in plain_out.into_iter().chain(reign_out) {
+            // A call that failed as a whole (a timeout, say) fails its own leases only.
+            let reply = reply.and_then(|r| {
+                if r.len() == idx.len() {
+                    Ok(r)
+                } else {
+                    Err(Error::backend("extend script returned the wrong count"))
+                }
+            });
+            match reply {
+                Ok(reply) => {
+                    for (i, v) in idx.into_iter().zip(reply) {
+                        out[i] = Some(extended(&leases[i], v));
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    for i in idx {
+                        out[i] = Some(Extended::Failed(Error::backend(msg.clone())));
+                    }
+                }
             }
         }
-        Ok(out)
+        Ok(out
+            .into_iter()
+            .map(|e| e.unwrap_or_else(|| Extended::Failed(Error::backend("no reply"))))
+            .collect())
     }
 
     /// Splits the leases `which` into script calls of at most [`EXTEND_CHUNK`], per hash slot
@@ -113,5 +129,18 @@ impl RedisBackend {
                     .collect::<Vec<_>>()
             })
             .collect()
+    }
+}
+
+/// One lease's entry in an extend script's reply: 1, 0, or the text of its error.
+fn extended(lease: &Lease<'_>, v: Value) -> Extended {
+    match v.as_i64() {
+        Some(1) => Extended::Held(lease.ttl.saturating_sub(clock_drift(lease.ttl))),
+        Some(0) => Extended::Gone,
+        _ => Extended::Failed(Error::backend(format!(
+            "extending {}: {}",
+            lease.key,
+            v.as_string().unwrap_or_default()
+        ))),
     }
 }

@@ -46,6 +46,10 @@ pub(super) enum Op {
 /// release's `{n, 0}`): the caller, who knows what it sent, reads it.
 pub(super) type Reply = (i64, i64);
 
+/// One operation's outcome in a batch: its reply, or the error of its own commands (or of
+/// its script call as a whole), never a neighbour's.
+pub(super) type Outcome = Result<Reply>;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     Acquire,
@@ -98,7 +102,7 @@ impl RedisBackend {
     pub(super) async fn op(&self, op: Op) -> Result<Reply> {
         if self.inner.clustered {
             // Boxed: the batcher's path is the common one, and keeps the future small.
-            return batch::single(Box::pin(self.clone().ops_batch(vec![op])).await?);
+            return batch::single(Box::pin(self.clone().ops_batch(vec![op])).await?)?;
         }
         // A release is sent even if its caller stops waiting for the answer.
         let keep = matches!(op, Op::Release { .. });
@@ -106,7 +110,7 @@ impl RedisBackend {
         self.inner
             .ops
             .call(op, keep, move |ops| this.clone().ops_batch(ops))
-            .await
+            .await?
     }
 
     /// Sends queued operations as few script calls as their order allows: operations on
@@ -115,7 +119,7 @@ impl RedisBackend {
     /// previous operation (the same phase if of the same kind: a script runs its entries in
     /// order); phases are sent back to back, in order, on the one connection. Distinct keys
     /// (the common case) make at most one phase per kind.
-    async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Reply>> {
+    async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Outcome>> {
         let count = ops.len();
         let phases = if count == 1 {
             // A lone call (the inline path): no grouping to do.
@@ -129,33 +133,48 @@ impl RedisBackend {
             let this = self.clone();
             async move {
                 let replies = match kind {
-                    Kind::Acquire => this.acquire_batch(&taken).await?,
-                    Kind::Fair => this.fair_batch(&taken).await?,
-                    Kind::Release => this.release_batch(&taken).await?,
+                    Kind::Acquire => this.acquire_batch(&taken).await,
+                    Kind::Fair => this.fair_batch(&taken).await,
+                    Kind::Release => this.release_batch(&taken).await,
                 };
-                if replies.len() != idx.len() {
-                    return Err(Error::backend("a batched call returned the wrong count"));
-                }
-                Ok::<_, Error>((idx, replies))
+                let replies = replies.and_then(|r| {
+                    if r.len() == idx.len() {
+                        Ok(r)
+                    } else {
+                        Err(Error::backend("a batched call returned the wrong count"))
+                    }
+                });
+                (idx, replies)
             }
         });
         // Polled in order, each call is handed to the connection on its first poll: the
         // phases go out back to back, and the server runs them in that order.
         let calls: Vec<_> = calls.collect();
-        let mut out: Vec<Option<Reply>> = vec![None; count];
-        for phase in futures::future::join_all(calls).await {
-            let (idx, replies) = phase?;
-            for (i, reply) in idx.into_iter().zip(replies) {
-                out[i] = Some(reply);
+        let mut out: Vec<Option<Outcome>> = (0..count).map(|_| None).collect();
+        for (idx, replies) in futures::future::join_all(calls).await {
+            match replies {
+                Ok(replies) => {
+                    for (i, reply) in idx.into_iter().zip(replies) {
+                        out[i] = Some(reply);
+                    }
+                }
+                // A phase that failed as a whole fails its own operations only.
+                Err(e) => {
+                    let msg = e.to_string();
+                    for i in idx {
+                        out[i] = Some(Err(Error::backend(msg.clone())));
+                    }
+                }
             }
         }
-        out.into_iter()
-            .map(|r| r.ok_or_else(|| Error::backend("a batched operation got no reply")))
-            .collect()
+        Ok(out
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::backend("a batched operation got no reply"))))
+            .collect())
     }
 
     /// Plain attempts as one `acquire.lua` call; one `{code, value}` per attempt, in order.
-    async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Reply>> {
+    async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
         let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 3);
         let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 8);
         for op in ops {
@@ -189,12 +208,12 @@ impl RedisBackend {
                 fence_ttl(claim.ttl).into(),
             ]);
         }
-        let reply: Vec<i64> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
-        pairs(reply, ops.len())
+        let reply: Vec<Value> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
+        pairs(reply, ops)
     }
 
     /// Fair attempts as one `fair_acquire.lua` call; one `{code, value}` per attempt.
-    async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Reply>> {
+    async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
         let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 5);
         let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 6);
         for op in ops {
@@ -220,14 +239,15 @@ impl RedisBackend {
                 fence_ttl(claim.ttl).into(),
             ]);
         }
-        let reply: Vec<i64> = self
+        let reply: Vec<Value> = self
             .eval(&self.inner.scripts.fair_acquire, keys, args)
             .await?;
-        pairs(reply, ops.len())
+        pairs(reply, ops)
     }
 
-    /// Releases and abandons as one `release.lua` call; one `{1|0, 0}` per request.
-    async fn release_batch(&self, ops: &[Op]) -> Result<Vec<Reply>> {
+    /// Releases and abandons as one `release.lua` call; one `{1|0, 0}` (or the error of its
+    /// own commands) per request.
+    async fn release_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
         let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 5);
         let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 4);
         for op in ops {
@@ -253,8 +273,15 @@ impl RedisBackend {
                 part(key, Part::Handoff).into(),
             ]);
         }
-        let reply: Vec<i64> = self.eval(&self.inner.scripts.release, keys, args).await?;
-        Ok(reply.into_iter().map(|n| (n, 0)).collect())
+        let reply: Vec<Value> = self.eval(&self.inner.scripts.release, keys, args).await?;
+        Ok(ops
+            .iter()
+            .zip(reply)
+            .map(|(op, n)| match n.as_i64() {
+                Some(n) => Ok((n, 0)),
+                None => Err(failed(op, &n)),
+            })
+            .collect())
     }
 
     /// Fails at once when the connection is down and the caller asked to (a quorum member
@@ -404,15 +431,35 @@ impl RedisBackend {
     }
 }
 
-/// A flat `{code, value, code, value, …}` reply as one pair per request.
-fn pairs(reply: Vec<i64>, count: usize) -> Result<Vec<Reply>> {
-    if reply.len() != count * 2 {
+/// A flat `{code, value, code, value, …}` reply as one pair per request; `{-1, text}` is the
+/// request's own error (see `prelude.lua`).
+fn pairs(reply: Vec<Value>, ops: &[Op]) -> Result<Vec<Outcome>> {
+    if reply.len() != ops.len() * 2 {
         return Err(Error::backend(format!(
-            "acquire script returned {} values for {count} attempts",
+            "acquire script returned {} values for {} attempts",
             reply.len(),
+            ops.len(),
         )));
     }
-    Ok(reply.chunks(2).map(|p| (p[0], p[1])).collect())
+    Ok(reply
+        .chunks(2)
+        .zip(ops)
+        .map(|(p, op)| match (p[0].as_i64(), p[1].as_i64()) {
+            (Some(code), Some(value)) if code != -1 => Ok((code, value)),
+            // (A nil value reads as -1, as the acquire scripts' PTTL of a missing key.)
+            (Some(code), None) if code != -1 && p[1].is_null() => Ok((code, -1)),
+            _ => Err(failed(op, &p[1])),
+        })
+        .collect())
+}
+
+/// The error of one operation's own commands, as its script reported it.
+fn failed(op: &Op, text: &Value) -> Error {
+    Error::backend(format!(
+        "{}: {}",
+        op.key(),
+        text.as_string().unwrap_or_else(|| format!("{text:?}"))
+    ))
 }
 
 /// Reentrant holds must be [`Token::hold`]s: the lease token of a reign is its first hold,

@@ -15,7 +15,8 @@
 --   the fence hash's TTL on a grant (ms: the lease's plus an hour; given by the client, since a
 --   Lua number handed to Redis is formatted as a double, which costs on this hot path)
 -- Returns per lease a pair: {1, fencing token} granted, {0, pttl} held (or yielded to
--- registered waiters), or {2, ms to go} when this server has been up for less than the
+-- registered waiters), {-1, error} when a command of this lease failed (see prelude.lua;
+-- a lease key of another type fails SET ... GET), or {2, ms to go} when this server has been up for less than the
 -- minimum uptime asked (a quorum member that may have restarted empty grants nothing).
 -- The fence never goes backwards: at least last + 1, at least the server's clock in
 -- microseconds (so a restarted server without persistence, or one restored from an old
@@ -33,8 +34,7 @@ local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local now_ms = math.floor(clock / 1000)
 local uptime
-local out = {}
-for i = 0, #KEYS / 3 - 1 do
+local function grant(i)
   local lease, fence, abandoned = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
   local token, ttl, flag, arriving = ARGV[8 * i + 1], ARGV[8 * i + 2], ARGV[8 * i + 3], ARGV[8 * i + 4]
   local floor, min_uptime = tonumber(ARGV[8 * i + 5]), tonumber(ARGV[8 * i + 6])
@@ -61,13 +61,13 @@ for i = 0, #KEYS / 3 - 1 do
       code, value = 0, redis.call('PTTL', lease)
     else
       -- NX with GET: nothing when the lease was free (and is now ours), else the holder's token.
-      local holder = redis.call('SET', lease, token, 'NX', 'PX', ttl, 'GET')
-      if not holder then
+      local current = redis.call('SET', lease, token, 'NX', 'PX', ttl, 'GET')
+      if not current then
         value = math.max(tonumber(last or '0') + 1, clock, math.min(floor, clock + 2000000))
         redis.call('HSET', fence, 'f', string.format('%.0f', value), 'h', label)
         redis.call('PEXPIRE', fence, fence_ttl)
         code = 1
-      elseif holder == token then
+      elseif current == token then
         -- Ours already: a re-sent attempt (after a reconnect, or sent again).
         redis.call('PEXPIRE', lease, ttl)
         code, value = 1, tonumber(last or '0')
@@ -83,7 +83,11 @@ for i = 0, #KEYS / 3 - 1 do
       end
     end
   end
-  out[2 * i + 1] = code
-  out[2 * i + 2] = value
+  return code, value
+end
+
+local out = {}
+for i = 0, #KEYS / 3 - 1 do
+  out[2 * i + 1], out[2 * i + 2] = each(grant, i)
 end
 return out

@@ -7,25 +7,32 @@
 --   also renews the hash's hour past the lease (0 when not: the client renews it now and
 --   then, well within the hour a grant gives it; see acquire.lua)
 -- KEYS[1..n] the lease keys, then the fence hashes being renewed.
--- Returns one 1 (extended) or 0 (not ours any more, or not counted) per lease.
+-- Returns per lease 1 (extended), 0 (not ours any more: another token, or no lease at all
+-- there; or not counted), or the error's text when a command of this lease failed (see
+-- prelude.lua).
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
   local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
   counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
 end
-local out = {}
-for i = 1, tonumber(ARGV[2]) do
+local function extend(i)
   -- (Strings as given: a Lua number passed to Redis is formatted as a double, which costs.)
   local lease, token, ttl, fence = KEYS[i], ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
-  if counted and redis.call('GET', lease) == token then
+  if counted and holder(lease) == token then
     redis.call('PEXPIRE', lease, ttl)
     if fence ~= '0' then
       redis.call('PEXPIRE', KEYS[tonumber(fence)], tonumber(ttl) + 3600000)
     end
-    out[i] = 1
-  else
-    out[i] = 0
+    return 1
   end
+  return 0
+end
+
+local out = {}
+for i = 1, tonumber(ARGV[2]) do
+  local code, err = each(extend, i)
+  -- A failed entry is its error's text, in place of its number.
+  out[i] = err or code
 end
 return out

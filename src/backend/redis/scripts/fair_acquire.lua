@@ -7,7 +7,8 @@
 --   token, ttl (ms), waiter expiry (ms; 0 for a single attempt, which never joins the queue),
 --   hand-off channel, holder label ('' for none; see acquire.lua), the fence hash's TTL on a
 --   grant (ms; see acquire.lua)
--- Returns per attempt a pair: {1, fencing token} granted, or {0, n} not granted, where n is
+-- Returns per attempt a pair: {1, fencing token} granted, {-1, error} when a command of this
+-- attempt failed (see prelude.lua), or {0, n} not granted, where n is
 -- how long until a re-check is worth it: the holder's PTTL, or, when the lease is free and
 -- another waiter is at the head, that waiter's time left (-1 when unknown).
 --
@@ -18,8 +19,7 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local out = {}
-for i = 0, #KEYS / 5 - 1 do
+local function attempt(i)
   local lease, fence, abandoned = KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3]
   local queue, timeouts = KEYS[5 * i + 4], KEYS[5 * i + 5]
   local token, ttl, expire, channel, label, fence_ttl = ARGV[6 * i + 1], ARGV[6 * i + 2],
@@ -87,7 +87,11 @@ for i = 0, #KEYS / 5 - 1 do
       end
     end
   end
-  out[2 * i + 1] = code
-  out[2 * i + 2] = value
+  return code, value
+end
+
+local out = {}
+for i = 0, #KEYS / 5 - 1 do
+  out[2 * i + 1], out[2 * i + 2] = each(attempt, i)
 end
 return out

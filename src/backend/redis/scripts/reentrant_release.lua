@@ -6,8 +6,9 @@
 -- ARGV: owner, hold, the lease token as the caller knows it ('' when abandoning),
 --   tombstone ms (> 0 when abandoning: the hold is barred from being counted later),
 --   release channel, hand-off channel
--- Returns {1, count left} (0: the lease is gone) or {0, 0} (the hold is not counted in the
--- reign that holds the key: never counted, or its reign was lost).
+-- Returns {1, count left} (0: the lease is gone, also when a step after the deletion failed)
+-- or {0, 0} (the hold is not counted in the reign that holds the key: never counted, or its
+-- reign was lost, or no lease at all is there).
 --
 -- Idempotent per hold: a hold is counted once and taken out once. A repeated release of a
 -- hold already taken out of the same reign answers the count again; of the hold whose
@@ -29,7 +30,7 @@ if tombstone > 0 then
   redis.call('ZADD', abandoned, now() + tombstone, hold)
   redis.call('PEXPIRE', abandoned, tombstone)
 end
-local current = redis.call('GET', lease)
+local current = holder(lease)
 if current and redis.call('HGET', holds, 'token') == current
     and redis.call('HGET', holds, 'owner') == owner then
   if redis.call('HDEL', holds, hold) == 1 then
@@ -38,26 +39,29 @@ if current and redis.call('HGET', holds, 'token') == current
       return {1, left}
     end
     redis.call('DEL', lease, owners, holds)
-    local seen = redis.call('HMGET', fence, 'w', 'q')
-    redis.call('HSET', fence, 'r', hold, 'h', '')
-    redis.call('PEXPIRE', fence, '3600000')
-    if seen[1] and tonumber(seen[1]) > now() then
-      redis.call('PUBLISH', channel, '1')
-    end
-    if seen[2] and tonumber(seen[2]) > now() and redis.call('LLEN', queue) > 0 then
-      -- Hand the free lock to the fair queue's head, skipping waiters that died.
-      local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
-      if #dead > 0 then
-        for _, d in ipairs(dead) do
-          redis.call('LREM', queue, 1, d)
+    -- Released, whatever fails after this (a PUBLISH an ACL refuses, say).
+    pcall(function()
+      local seen = redis.call('HMGET', fence, 'w', 'q')
+      redis.call('HSET', fence, 'r', hold, 'h', '')
+      redis.call('PEXPIRE', fence, '3600000')
+      if seen[1] and tonumber(seen[1]) > now() then
+        redis.call('PUBLISH', channel, '1')
+      end
+      if seen[2] and tonumber(seen[2]) > now() and redis.call('LLEN', queue) > 0 then
+        -- Hand the free lock to the fair queue's head, skipping waiters that died.
+        local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
+        if #dead > 0 then
+          for _, d in ipairs(dead) do
+            redis.call('LREM', queue, 1, d)
+          end
+          redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now())
         end
-        redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now())
+        local head = redis.call('LINDEX', queue, 0)
+        if head then
+          redis.call('PUBLISH', handoff, head)
+        end
       end
-      local head = redis.call('LINDEX', queue, 0)
-      if head then
-        redis.call('PUBLISH', handoff, head)
-      end
-    end
+    end)
     return {1, 0}
   end
   if known == current then

@@ -12,7 +12,8 @@
 --   the fair queue,
 --   hand-off channel
 -- Returns per lease 1 (released, also when a re-sent release finds it released by the same
--- token) or 0 (not ours).
+-- token, and when a step after the deletion failed), 0 (not ours: another token, or no lease
+-- at all there), or the error's text when this lease's release failed (see prelude.lua).
 -- The common case costs five commands: GET, DEL, HMGET, HSET, PEXPIRE.
 local now_ms
 local function now()
@@ -22,71 +23,84 @@ local function now()
   end
   return now_ms
 end
+local function release(i)
+  -- Set as soon as it is known: a later step's failure does not undo a deletion.
+  local released
+  local ok, e = pcall(function()
+    local lease, fence, abandoned = KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3]
+    local queue, timeouts = KEYS[5 * i + 4], KEYS[5 * i + 5]
+    local token, channel, tombstone, handoff =
+      ARGV[4 * i + 1], ARGV[4 * i + 2], tonumber(ARGV[4 * i + 3]), ARGV[4 * i + 4]
+    local wake = false
+    if tombstone > 0 then
+      local until_ms = now() + tombstone
+      redis.call('ZREMRANGEBYSCORE', abandoned, '-inf', now())
+      redis.call('ZADD', abandoned, until_ms, token)
+      redis.call('PEXPIRE', abandoned, tombstone)
+      -- The fence hash's `a` tells the acquire script to look in the sorted set.
+      local barred = tonumber(redis.call('HGET', fence, 'a') or '0')
+      redis.call('HSET', fence, 'a', string.format('%.0f', math.max(barred, until_ms)))
+      -- A fair waiter that gave up leaves the queue at once; if it was the head, the next
+      -- one is woken below rather than after the leaver's deadline.
+      if redis.call('ZREM', timeouts, token) == 1 then
+        wake = redis.call('LINDEX', queue, 0) == token
+        redis.call('LREM', queue, 1, token)
+      end
+    end
+    if holder(lease) == token then
+      redis.call('DEL', lease)
+      -- Released, whatever fails after this (a PUBLISH an ACL refuses, say).
+      released = 1
+      local seen = redis.call('HMGET', fence, 'w', 'q')
+      -- Remember the released token, so a release re-sent after a reconnect still says "ours";
+      -- the holder's label goes with the lease.
+      redis.call('HSET', fence, 'r', token, 'h', '')
+      redis.call('PEXPIRE', fence, '3600000')
+      -- (The clock is read only when one of the two is there.)
+      if seen[1] and tonumber(seen[1]) > now() then
+        redis.call('PUBLISH', channel, '1')
+      end
+      if seen[2] and tonumber(seen[2]) > now() then
+        wake = true
+      end
+    elseif redis.call('HGET', fence, 'r') == token then
+      released = 1
+    else
+      released = 0
+    end
+    if tombstone > 0 then
+      -- The fence hash must keep `a` as long as the tombstone, and must expire: the HSET
+      -- above made it if it was gone (an hour past the lease, if one is held, is longer).
+      local left = redis.call('PTTL', fence)
+      if left == -1 then
+        redis.call('PEXPIRE', fence, math.max(redis.call('PTTL', lease), 0) + 3600000)
+      elseif left < tombstone then
+        redis.call('PEXPIRE', fence, tombstone)
+      end
+    end
+    if wake and redis.call('LLEN', queue) > 0 and redis.call('EXISTS', lease) == 0 then
+      -- Hand the free lock to the queue's head, skipping waiters that died.
+      local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
+      if #dead > 0 then
+        for _, d in ipairs(dead) do
+          redis.call('LREM', queue, 1, d)
+        end
+        redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now())
+      end
+      local head = redis.call('LINDEX', queue, 0)
+      if head then
+        redis.call('PUBLISH', handoff, head)
+      end
+    end
+  end)
+  if released then
+    return released
+  end
+  return error_text(e)
+end
+
 local out = {}
 for i = 0, #KEYS / 5 - 1 do
-  local lease, fence, abandoned = KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3]
-  local queue, timeouts = KEYS[5 * i + 4], KEYS[5 * i + 5]
-  local token, channel, tombstone, handoff =
-    ARGV[4 * i + 1], ARGV[4 * i + 2], tonumber(ARGV[4 * i + 3]), ARGV[4 * i + 4]
-  local wake = false
-  if tombstone > 0 then
-    local until_ms = now() + tombstone
-    redis.call('ZREMRANGEBYSCORE', abandoned, '-inf', now())
-    redis.call('ZADD', abandoned, until_ms, token)
-    redis.call('PEXPIRE', abandoned, tombstone)
-    -- The fence hash's `a` tells the acquire script to look in the sorted set.
-    local barred = tonumber(redis.call('HGET', fence, 'a') or '0')
-    redis.call('HSET', fence, 'a', string.format('%.0f', math.max(barred, until_ms)))
-    -- A fair waiter that gave up leaves the queue at once; if it was the head, the next
-    -- one is woken below rather than after the leaver's deadline.
-    if redis.call('ZREM', timeouts, token) == 1 then
-      wake = redis.call('LINDEX', queue, 0) == token
-      redis.call('LREM', queue, 1, token)
-    end
-  end
-  if redis.call('GET', lease) == token then
-    redis.call('DEL', lease)
-    local seen = redis.call('HMGET', fence, 'w', 'q')
-    -- Remember the released token, so a release re-sent after a reconnect still says "ours";
-    -- the holder's label goes with the lease.
-    redis.call('HSET', fence, 'r', token, 'h', '')
-    redis.call('PEXPIRE', fence, '3600000')
-    -- (The clock is read only when one of the two is there.)
-    if seen[1] and tonumber(seen[1]) > now() then
-      redis.call('PUBLISH', channel, '1')
-    end
-    if seen[2] and tonumber(seen[2]) > now() then
-      wake = true
-    end
-    out[i + 1] = 1
-  elseif redis.call('HGET', fence, 'r') == token then
-    out[i + 1] = 1
-  else
-    out[i + 1] = 0
-  end
-  if tombstone > 0 then
-    -- The fence hash must keep `a` as long as the tombstone, and must expire: the HSET
-    -- above made it if it was gone (an hour past the lease, if one is held, is longer).
-    local left = redis.call('PTTL', fence)
-    if left == -1 then
-      redis.call('PEXPIRE', fence, math.max(redis.call('PTTL', lease), 0) + 3600000)
-    elseif left < tombstone then
-      redis.call('PEXPIRE', fence, tombstone)
-    end
-  end
-  if wake and redis.call('LLEN', queue) > 0 and redis.call('EXISTS', lease) == 0 then
-    -- Hand the free lock to the queue's head, skipping waiters that died.
-    local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
-    if #dead > 0 then
-      for _, d in ipairs(dead) do
-        redis.call('LREM', queue, 1, d)
-      end
-      redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now())
-    end
-    local head = redis.call('LINDEX', queue, 0)
-    if head then
-      redis.call('PUBLISH', handoff, head)
-    end
-  end
+  out[i + 1] = release(i)
 end
 return out

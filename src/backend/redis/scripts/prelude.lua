@@ -1,0 +1,35 @@
+-- Prepended to every script that serves a batch (see redis.rs): one entry's failure is its
+-- own. A command that fails for one lease (a key of the wrong type written by someone else,
+-- a PUBLISH an ACL refuses) fails that entry only; the entries before and after it run as if
+-- it were not there.
+
+-- The text of an error raised by redis.call (a table) or by Lua (a string).
+local function error_text(e)
+  if type(e) == 'table' then
+    return tostring(e.err or e[1])
+  end
+  return tostring(e)
+end
+
+-- Runs entry `i` of a batch, `f(i)` returning its two results, or -1 and the error's text
+-- when a command of it failed.
+local function each(f, i)
+  local ok, code, value = pcall(f, i)
+  if ok then
+    return code, value
+  end
+  return -1, error_text(code)
+end
+
+-- The token a lease key holds: false when the key is free, and when it holds no lease at all
+-- (a value of another type, written by someone else: no lease of this client is there).
+local function holder(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' and v.err then
+    if string.sub(v.err, 1, 9) == 'WRONGTYPE' then
+      return false
+    end
+    error(v)
+  end
+  return v
+end
