@@ -14,7 +14,7 @@ use crate::backend::{
     WakeUp,
 };
 use crate::error::{Error, Result};
-use crate::guard::{LockGuard, PendingClaim};
+use crate::guard::{LockGuard, PendingClaim, Releasing};
 use crate::options::LockOptions;
 use crate::options::RetryPolicy;
 use crate::runtime;
@@ -177,6 +177,12 @@ impl<'a> Attempts<'a> {
         // From here until a definite answer, the claim may hold the lease (or a place in a
         // queue): until a guard takes it over, giving up (an error, the deadline, a dropped
         // future) abandons it in the background.
+        // A release of this key dropped by this process a moment ago goes first: racing it
+        // would find the lease still held, and wait for a wake-up.
+        let released = Releasing::wait(&self.target.manager.backend, self.target.key);
+        if runtime::until(limit, released).await.is_none() {
+            return Err(self.timeout());
+        }
         self.pending.armed = true;
         let backend = &*self.target.manager.backend;
         let sent = backend.acquire(&self.pending.claim, attempt, NodeTerms::new());

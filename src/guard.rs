@@ -1,11 +1,12 @@
 //! `LockGuard`: a held claim of any kind, given back when dropped; and [`PendingClaim`],
 //! the one clean-up behind drop release, cancelled acquires and cancelled releases.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ use crate::backend::{Backend, Claim, ClaimKind, Extended, NodeTerms, Release};
 use crate::error::{Error, Result};
 use crate::options::{check_ttl, MIN_TTL};
 use crate::runtime::Rt;
-use crate::token::{Owner, Token};
+use crate::token::{LeaseKey, Owner, Token};
 use crate::watchdog::Kept;
 
 /// A claim that is given back in the background when dropped while armed: released if its
@@ -67,7 +68,11 @@ impl Drop for PendingClaim {
         }
         let lease = self.lease().cloned();
         let (backend, claim) = (self.backend.clone(), self.claim.clone());
+        // Registered now, before the task runs: an acquire of this key that follows the drop
+        // waits for this release instead of racing it.
+        let releasing = Releasing::start(&backend, &claim.key);
         self.rt.spawn(async move {
+            let _releasing = releasing;
             let confirmed = lease.is_some();
             let how = match &lease {
                 Some(lease) => Release::Confirmed { lease },
@@ -89,6 +94,81 @@ impl Drop for PendingClaim {
                 }
             }
         });
+    }
+}
+
+/// Background releases (and abandons) not yet answered, per store and key, in this process.
+/// An acquire of the same key on the same store waits for them before its attempt
+/// ([`Releasing::wait`]): `drop(guard); lock.acquire()` is then ordered after the release,
+/// with no attempt wasted on the lease being released, no subscription and no wake-up.
+pub(crate) struct Releasing {
+    /// The store's address and the key.
+    at: (usize, LeaseKey),
+}
+
+/// Releases in flight per store and key, and the event set when the last one ends.
+type InFlightKeys = HashMap<(usize, LeaseKey), (usize, Arc<Event>)>;
+
+struct InFlight {
+    /// Entries in `keys`: an acquire skips the lock while there are none.
+    count: AtomicUsize,
+    keys: Mutex<InFlightKeys>,
+}
+
+static IN_FLIGHT: LazyLock<InFlight> = LazyLock::new(|| InFlight {
+    count: AtomicUsize::new(0),
+    keys: Mutex::new(HashMap::new()),
+});
+
+fn in_flight() -> MutexGuard<'static, InFlightKeys> {
+    IN_FLIGHT.keys.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One store's identity: the address of what its `Arc` points to.
+fn store_id(backend: &Arc<dyn Backend>) -> usize {
+    Arc::as_ptr(backend).cast::<()>() as usize
+}
+
+impl Releasing {
+    /// Counts a release of `key` on `backend` in flight until the value is dropped.
+    fn start(backend: &Arc<dyn Backend>, key: &LeaseKey) -> Self {
+        let at = (store_id(backend), key.clone());
+        let mut keys = in_flight();
+        let entry = keys.entry(at.clone()).or_insert_with(|| {
+            IN_FLIGHT.count.fetch_add(1, Ordering::AcqRel);
+            (0, Arc::new(Event::new()))
+        });
+        entry.0 += 1;
+        Releasing { at }
+    }
+
+    /// Waits until no release of `key` on `backend` started before this call is in flight.
+    pub(crate) async fn wait(backend: &Arc<dyn Backend>, key: &LeaseKey) {
+        if IN_FLIGHT.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let at = (store_id(backend), key.clone());
+        // Listening under the lock: the last release's end notifies after this.
+        let listener = match in_flight().get(&at) {
+            Some((_, ended)) => ended.listen(),
+            None => return,
+        };
+        listener.await;
+    }
+}
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        let mut keys = in_flight();
+        if let Some(entry) = keys.get_mut(&self.at) {
+            entry.0 -= 1;
+            if entry.0 == 0 {
+                if let Some((_, ended)) = keys.remove(&self.at) {
+                    IN_FLIGHT.count.fetch_sub(1, Ordering::AcqRel);
+                    ended.notify(usize::MAX);
+                }
+            }
+        }
     }
 }
 

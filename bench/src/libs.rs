@@ -82,27 +82,29 @@ impl Clients {
         }
     }
 
-    /// One acquire + release of `key`, not waiting (the key is expected to be free).
-    pub async fn cycle(&self, lib: Lib, key: &str) {
+    /// One acquire + release of `key`, not waiting (the key is expected to be free). With
+    /// `wait`, redlease waits for the lock (`acquire()`, as an application re-taking the key
+    /// its last cycle dropped does); the others' releases are awaited, so the key is free.
+    pub async fn cycle(&self, lib: Lib, key: &str, wait: bool) {
         match lib {
-            Lib::Redlease | Lib::RedleaseFair => {
+            Lib::Redlease | Lib::RedleaseFair | Lib::RedleaseDrop => {
                 let lock = self.redlease.lock(key);
                 let lock = if lib == Lib::RedleaseFair {
                     lock.fair().expect("Redis serves fair locks")
                 } else {
                     lock
                 };
-                let g = lock.try_acquire().await.expect("acquire");
-                g.expect("free key").release().await.expect("release");
-            }
-            Lib::RedleaseDrop => {
-                let g = self
-                    .redlease
-                    .lock(key)
-                    .try_acquire()
-                    .await
-                    .expect("acquire");
-                drop(g.expect("free key"));
+                let g = if wait {
+                    lock.acquire().await.expect("acquire")
+                } else {
+                    let g = lock.try_acquire().await.expect("acquire");
+                    g.expect("free key")
+                };
+                if lib == Lib::RedleaseDrop {
+                    drop(g);
+                } else {
+                    g.release().await.expect("release");
+                }
             }
             Lib::FredRaw => {
                 let token = token();

@@ -186,12 +186,27 @@ async fn main() {
     ];
 
     // W1 and W2, interleaved: each repeat runs every library once, in a rotated order.
-    for (w, name, tasks) in [
-        ("W1", "W1: 1 task, sequential, 1 node", 1),
+    // The "same key" rows re-take the key the last cycle let go: a drop release must not make
+    // the next acquire race it.
+    for (w, name, tasks, same) in [
+        ("W1", "W1: 1 task, sequential, 1 node", 1, false),
+        (
+            "W1",
+            "W1 same key: 1 task, sequential, one key, 1 node",
+            1,
+            true,
+        ),
         (
             "W2",
             "W2: 64 tasks, distinct keys, 1 node, one shared client",
             64,
+            false,
+        ),
+        (
+            "W2",
+            "W2 same key: 64 tasks, one key each, re-taken every cycle, 1 node, one shared client",
+            64,
+            true,
         ),
     ] {
         if !plan.runs(w) {
@@ -212,9 +227,9 @@ async fn main() {
                 }
                 let cpu0 = workloads::redis_cpu(&node);
                 let v = if tasks == 1 {
-                    workloads::w1(&clients, single[i], plan.dur).await
+                    workloads::w1(&clients, single[i], plan.dur, same).await
                 } else {
-                    workloads::w2(&clients, single[i], plan.dur).await
+                    workloads::w2(&clients, single[i], plan.dur, same).await
                 };
                 let cycles = v * plan.dur.as_secs_f64();
                 redis_us[i].push((workloads::redis_cpu(&node) - cpu0) * 1e6 / cycles.max(1.0));

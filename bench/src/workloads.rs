@@ -8,19 +8,23 @@ use crate::libs::{Clients, Lib};
 use crate::server::RedisServer;
 use crate::stats;
 
-/// W1: one task, sequential cycles on rotating keys. Returns cycles per second.
-pub async fn w1(clients: &Clients, lib: Lib, dur: Duration) -> f64 {
+/// W1: one task, sequential cycles on rotating keys (`same`: on one key, each cycle taking
+/// the key its last one let go). Returns cycles per second.
+pub async fn w1(clients: &Clients, lib: Lib, dur: Duration, same: bool) -> f64 {
     let began = Instant::now();
     let mut n = 0u64;
+    let keys = if same { 1 } else { 1024 };
     while began.elapsed() < dur {
-        clients.cycle(lib, &format!("w1:{}", n % 1024)).await;
+        clients.cycle(lib, &format!("w1:{}", n % keys), same).await;
         n += 1;
     }
     n as f64 / began.elapsed().as_secs_f64()
 }
 
-/// W2: 64 tasks on distinct keys sharing one set of clients. Returns cycles per second.
-pub async fn w2(clients: &Clients, lib: Lib, dur: Duration) -> f64 {
+/// W2: 64 tasks on distinct keys sharing one set of clients (`same`: each task on one key of
+/// its own, re-taking it every cycle). Returns cycles per second.
+pub async fn w2(clients: &Clients, lib: Lib, dur: Duration, same: bool) -> f64 {
+    let keys = if same { 1 } else { 64 };
     let done = Arc::new(AtomicU64::new(0));
     let began = Instant::now();
     let tasks: Vec<_> = (0..64)
@@ -29,7 +33,9 @@ pub async fn w2(clients: &Clients, lib: Lib, dur: Duration) -> f64 {
             tokio::spawn(async move {
                 let mut n = 0u64;
                 while began.elapsed() < dur {
-                    clients.cycle(lib, &format!("w2:{t}:{}", n % 64)).await;
+                    clients
+                        .cycle(lib, &format!("w2:{t}:{}", n % keys), same)
+                        .await;
                     n += 1;
                 }
                 done.fetch_add(n, Ordering::Relaxed);
