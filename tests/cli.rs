@@ -377,6 +377,39 @@ fn bad_input_and_unreachable_servers_get_clear_messages() {
     assert_eq!(out.status.code(), Some(EXIT_USAGE));
     assert!(stderr(&out).contains("scheme"), "{}", stderr(&out));
 
+    // The URL from a file: not both --url and --url-file, the file must be there and hold a URL.
+    let out = output(redlease(
+        &srv,
+        &[
+            "--url",
+            "redis://127.0.0.1:1",
+            "--url-file",
+            "/nonexistent/url",
+            "inspect",
+            "x",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--url-file"), "{}", stderr(&out));
+    let out = output(redlease(
+        &srv,
+        &["--url-file", "/nonexistent/url", "inspect", "x"],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("/nonexistent/url"),
+        "{}",
+        stderr(&out)
+    );
+    let empty = srv.dir().join("empty-url");
+    std::fs::write(&empty, "\n").unwrap();
+    let out = output(redlease(
+        &srv,
+        &["--url-file", empty.to_str().unwrap(), "inspect", "x"],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    assert!(stderr(&out).contains("empty"), "{}", stderr(&out));
+
     let out = output(redlease(&srv, &["--help"]));
     let help = stdout(&out);
     assert!(
@@ -448,4 +481,69 @@ fn a_lost_lease_also_stops_the_commands_children() {
         wait_for(SOON, || !alive()),
         "the grandchild {pid} outlived the lease"
     );
+}
+
+/// A URL with a password, from REDIS_URL or `--url-file`, is in no process's argv, and the
+/// command's environment does not have it: REDIS_URL is removed when the URL came from it.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_url_stays_out_of_argv_and_the_commands_environment() {
+    const PASSWORD: &str = "pw-for-the-argv-test-91c3";
+    let srv = RedisServer::start_with(&["--requirepass", PASSWORD]);
+    let url = format!("redis://default:{PASSWORD}@127.0.0.1:{}", srv.port());
+    let url_file = srv.dir().join("url");
+    std::fs::write(&url_file, format!("{url}\n")).unwrap();
+
+    let mut from_env = redlease(&srv, &[]);
+    from_env.env("REDIS_URL", &url);
+    // The file wins over REDIS_URL, which is then not redlease's, and reaches the command as
+    // it is (it may name the command's own store).
+    let theirs = "redis://127.0.0.1:1/3";
+    let mut from_file = redlease(&srv, &["--url-file", url_file.to_str().unwrap()]);
+    from_file.env("REDIS_URL", theirs);
+
+    for (how, mut cmd) in [("REDIS_URL", from_env), ("--url-file", from_file)] {
+        let dir = scratch(&srv, &how.replace('-', ""));
+        let (env, parent, ready, go) = (
+            dir.join("env"),
+            dir.join("parent"),
+            dir.join("ready"),
+            dir.join("go"),
+        );
+        let script = format!(
+            "env > {e}; tr '\\0' ' ' < /proc/$PPID/cmdline > {p}; echo ready > {r}; \
+             while [ ! -e {g} ]; do sleep 0.02; done",
+            e = env.display(),
+            p = parent.display(),
+            r = ready.display(),
+            g = go.display()
+        );
+        cmd.args(["run", "secret", "--", "sh", "-c", &script]);
+        let run = cmd.spawn().unwrap();
+        let ready_soon = wait_for(SOON, || read(&ready).contains("ready"));
+        let argv = std::fs::read(format!("/proc/{}/cmdline", run.id())).unwrap_or_default();
+        let argv = String::from_utf8_lossy(&argv).replace('\0', " ");
+        std::fs::write(&go, "").unwrap();
+        let out = finish(run);
+        assert!(ready_soon, "{how}: the command ran: {}", stderr(&out));
+        assert_eq!(out.status.code(), Some(0), "{how}: {}", stderr(&out));
+        assert!(
+            argv.contains("secret") && !argv.contains(PASSWORD),
+            "{how}: {argv}"
+        );
+        let parent = read(&parent);
+        assert!(!parent.contains(PASSWORD), "{how}: {parent}");
+        let env = read(&env);
+        assert!(env.contains("REDLEASE_NAME=secret"), "{how}: {env}");
+        assert!(!env.contains(PASSWORD), "{how}: {env}");
+        let redis_url: Vec<&str> = env
+            .lines()
+            .filter(|l| l.starts_with("REDIS_URL="))
+            .collect();
+        if how == "REDIS_URL" {
+            assert_eq!(redis_url, Vec::<&str>::new(), "{how}");
+        } else {
+            assert_eq!(redis_url, [format!("REDIS_URL={theirs}")], "{how}");
+        }
+    }
 }

@@ -3,6 +3,7 @@
 //! Run `redlease --help` for the options, examples and exit codes.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -33,6 +34,9 @@ Examples:
   # In a crontab, with the server in REDIS_URL (quiet when another host has it):
   */5 * * * * REDIS_URL=redis://locks.internal:6379 redlease run -n sync -- /opt/sync.sh
 
+  # A URL with a password: from a file (mode 600), not --url, which `ps` shows to anyone:
+  redlease --url-file /etc/redlease/url run nightly-report -- /usr/local/bin/report
+
   # Wait up to 2 minutes for the lock, holding it with a 10 s lease (renewed while the
   # command runs); give the command 30 s to stop after a SIGTERM if the lease is lost:
   redlease run --wait 2m --ttl 10s --grace 30s migrate -- ./migrate.sh
@@ -45,7 +49,8 @@ Examples:
 
 The command gets REDLEASE_NAME and REDLEASE_FENCING_TOKEN in its environment: pass the
 token with its writes so that the store can refuse a late write from a holder that lost
-the lock (see the README, \"Fenced writes\").
+the lock (see the README, \"Fenced writes\"). When redlease's URL comes from REDIS_URL,
+the command does not get REDIS_URL.
 
 Exit codes of `run`:
   the command's own code   when it ran to its end with the lease held
@@ -58,22 +63,26 @@ Exit codes of `run`:
   5                        Redis could not be reached, or failed
   126, 127                 the command could not be run, or was not found";
 
-/// Where Redis is when neither `--url` nor `REDIS_URL` says.
+/// Where Redis is when neither `--url`, `--url-file` nor `REDIS_URL` says.
 const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+
+/// The environment variable that may hold the URL; the command never sees it.
+const URL_ENV: &str = "REDIS_URL";
 
 /// A distributed flock(1): hold a lock on Redis while a command runs.
 #[derive(Debug, Parser)]
 #[command(name = "redlease", version, after_long_help = EXAMPLES)]
 struct Cli {
-    /// The Redis server.
-    #[arg(
-        long,
-        env = "REDIS_URL",
-        hide_env_values = true,
-        default_value = DEFAULT_URL,
-        global = true
-    )]
-    url: String,
+    /// The Redis server, e.g. redis://user:password@host:6379 [env: REDIS_URL] [default:
+    /// redis://127.0.0.1:6379]. Any user of the machine can read it in `ps`: give a URL with
+    /// a password in REDIS_URL or --url-file instead.
+    #[arg(long, value_name = "URL", global = true, conflicts_with = "url_file")]
+    url: Option<String>,
+
+    /// Read the Redis URL from this file (keep it private, e.g. mode 600); it wins over
+    /// REDIS_URL, which the command then gets as it is.
+    #[arg(long, value_name = "PATH", global = true)]
+    url_file: Option<PathBuf>,
 
     /// Prefix of the lock's keys (as `LockOptions::key_prefix` in the library).
     #[arg(long, default_value = "redlease:", global = true)]
@@ -195,20 +204,61 @@ fn shown_url(url: &str) -> String {
     }
 }
 
+/// The Redis URL and where it came from: `--url`, else `--url-file`, else `REDIS_URL`, else
+/// the default. A blank `--url` or `REDIS_URL` (set but empty, as shells and cron do) means
+/// the default; a blank file is an error.
+fn url(cli: &Cli) -> Result<(String, String), Fail> {
+    if let Some(url) = &cli.url {
+        return Ok(match url.trim() {
+            "" => (DEFAULT_URL.to_owned(), "the default".into()),
+            url => (url.to_owned(), "--url".into()),
+        });
+    }
+    if let Some(path) = &cli.url_file {
+        let from = format!("--url-file {}", path.display());
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Fail(EXIT_USAGE, format!("cannot read {from}: {e}")))?;
+        let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+        return match (lines.next(), lines.next()) {
+            (Some(url), None) => Ok((url.to_owned(), from)),
+            (None, _) => Err(Fail(
+                EXIT_USAGE,
+                format!("{from} is empty: write the URL in it"),
+            )),
+            (Some(_), Some(_)) => Err(Fail(
+                EXIT_USAGE,
+                format!("{from} holds more than one line: write the URL alone in it"),
+            )),
+        };
+    }
+    match std::env::var(URL_ENV) {
+        Ok(url) if !url.trim().is_empty() => Ok((url.trim().to_owned(), URL_ENV.into())),
+        Ok(_) | Err(std::env::VarError::NotPresent) => {
+            Ok((DEFAULT_URL.to_owned(), "the default".into()))
+        }
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(Fail(EXIT_USAGE, format!("{URL_ENV} is not valid UTF-8")))
+        }
+    }
+}
+
+/// Whether the URL comes from `REDIS_URL` (or would, were it set): then the command does not
+/// get it. Given `--url` or `--url-file`, `REDIS_URL` is not ours, and the command keeps it
+/// (it may be the command's own data store).
+fn url_from_env(cli: &Cli) -> bool {
+    cli.url.is_none() && cli.url_file.is_none()
+}
+
 async fn connect(cli: &Cli) -> Result<RedisBackend, Fail> {
     let opts = RedisOptions::new().connect_timeout(cli.connect_timeout);
-    // An empty REDIS_URL (set but blank, as shells and cron do) means the default.
-    let url = match cli.url.trim() {
-        "" => DEFAULT_URL,
-        url => url,
-    };
-    RedisBackend::connect_with(url, opts)
+    let (url, from) = url(cli)?;
+    RedisBackend::connect_with(&url, opts)
         .await
         .map_err(|e| match e {
-            Error::InvalidConfig(msg) => Fail(EXIT_USAGE, format!("bad --url / REDIS_URL: {msg}")),
+            Error::InvalidConfig(msg) => Fail(EXIT_USAGE, format!("bad URL (from {from}): {msg}")),
             e => Fail(
                 EXIT_UNAVAILABLE,
-                format!("cannot reach Redis at {}: {e}", shown_url(url)),
+                format!("cannot reach Redis at {}: {e}", shown_url(&url)),
             ),
         })
 }
@@ -330,7 +380,7 @@ async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
         }
         Err(e) => return Err(store_error(e)),
     };
-    supervise(args, guard, &mut signals).await
+    supervise(args, guard, &mut signals, url_from_env(cli)).await
 }
 
 /// Runs the command while `guard` holds the lease.
@@ -338,6 +388,7 @@ async fn supervise(
     args: &RunArgs,
     guard: LockGuard,
     signals: &mut signals::Signals,
+    url_from_env: bool,
 ) -> Result<u8, Fail> {
     let (program, rest) = args
         .command
@@ -348,6 +399,10 @@ async fn supervise(
         .args(rest)
         .env("REDLEASE_NAME", &args.name)
         .env("REDLEASE_FENCING_TOKEN", guard.fencing_token().to_string());
+    if url_from_env {
+        // Our URL may hold a password, and the command has no use for it.
+        command.env_remove(URL_ENV);
+    }
     // Its own process group: signals (forwarded, or the lost lease's SIGTERM and SIGKILL)
     // reach everything the command started, not just the command.
     #[cfg(unix)]
