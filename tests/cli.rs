@@ -547,3 +547,40 @@ fn the_url_stays_out_of_argv_and_the_commands_environment() {
         }
     }
 }
+
+/// Signals that reach the tool while a command stopped for a lost lease is in its grace
+/// period are forwarded too: here SIGINT makes the command exit long before the grace is over.
+#[test]
+fn signals_during_the_grace_period_are_forwarded() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "grace-forward");
+    let (ready, marker) = (dir.join("ready"), dir.join("marker"));
+    let script = format!(
+        "trap 'echo TERM >> {m}' TERM; trap 'echo INT >> {m}; exit 0' INT; \
+         echo ready > {r}; while :; do sleep 0.02; done",
+        m = marker.display(),
+        r = ready.display()
+    );
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "60s", "patient", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    assert!(wait_for(SOON, || read(&ready).contains("ready")));
+    assert_eq!(srv.cmd(&["DEL", "redlease:{patient}"]).as_int(), Some(1));
+    assert!(
+        wait_for(SOON, || read(&marker).contains("TERM")),
+        "the command got the lost lease's SIGTERM"
+    );
+    let sent = Command::new("kill")
+        .args(["-INT", &run.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    assert!(read(&marker).contains("INT"), "{}", read(&marker));
+}

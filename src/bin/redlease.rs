@@ -421,22 +421,19 @@ async fn supervise(
             });
         }
     };
+    let group = signals::Group::of(&child);
     let lost = guard.lost();
     tokio::pin!(lost);
     let status = loop {
         tokio::select! {
             status = child.wait() => break status,
-            sig = signals.recv() => {
-                if let Some(sig) = sig {
-                    signals::forward(&child, sig);
-                }
-            }
+            Some(sig) = signals.recv() => group.forward(sig),
             () = &mut lost => {
                 eprintln!(
                     "redlease: lost the lease on {}: stopping the command (SIGTERM, SIGKILL after {:?})",
                     args.name, args.grace
                 );
-                terminate(&mut child, args.grace).await;
+                terminate(&mut child, &group, args.grace, signals).await;
                 return Ok(EXIT_LOST);
             }
         }
@@ -461,11 +458,25 @@ async fn supervise(
     Ok(exit_code(status))
 }
 
-/// SIGTERM, then SIGKILL once `grace` has passed (to the command's process group).
-async fn terminate(child: &mut tokio::process::Child, grace: Duration) {
-    signals::terminate(child);
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        signals::kill(child);
+/// SIGTERM to the command's group, then SIGKILL once `grace` has passed. Signals that reach
+/// redlease meanwhile are forwarded, as while the command ran.
+async fn terminate(
+    child: &mut tokio::process::Child,
+    group: &signals::Group,
+    grace: Duration,
+    signals: &mut signals::Signals,
+) {
+    group.terminate(child);
+    let stopped = async {
+        loop {
+            tokio::select! {
+                _ = child.wait() => return,
+                Some(sig) = signals.recv() => group.forward(sig),
+            }
+        }
+    };
+    if tokio::time::timeout(grace, stopped).await.is_err() {
+        group.kill(child);
         let _ = child.wait().await;
     }
 }
@@ -517,28 +528,40 @@ mod signals {
         }
     }
 
-    /// To the command's process group (it leads its own: see `supervise`).
-    fn send(child: &tokio::process::Child, sig: Signal) {
-        let pid = child.id().and_then(|id| i32::try_from(id).ok());
-        if let Some(pid) = pid {
-            // The group may be gone in the meantime: nothing to do then.
-            let _ = killpg(Pid::from_raw(pid), sig);
+    /// The command's process group: its id is the command's pid (it leads the group).
+    pub(crate) struct Group(Option<Pid>);
+
+    impl Group {
+        pub(crate) fn of(child: &tokio::process::Child) -> Self {
+            Group(
+                child
+                    .id()
+                    .and_then(|id| i32::try_from(id).ok())
+                    .map(Pid::from_raw),
+            )
         }
-    }
 
-    pub(crate) fn forward(child: &tokio::process::Child, sig: u8) {
-        if let Ok(sig) = Signal::try_from(i32::from(sig)) {
-            send(child, sig);
+        fn send(&self, sig: Signal) {
+            if let Some(group) = self.0 {
+                // The group may be gone in the meantime: nothing to do then.
+                let _ = killpg(group, sig);
+            }
         }
-    }
 
-    pub(crate) fn terminate(child: &tokio::process::Child) {
-        send(child, Signal::SIGTERM);
-    }
+        pub(crate) fn forward(&self, sig: u8) {
+            if let Ok(sig) = Signal::try_from(i32::from(sig)) {
+                self.send(sig);
+            }
+        }
 
-    pub(crate) fn kill(child: &mut tokio::process::Child) {
-        send(child, Signal::SIGKILL);
-        let _ = child.start_kill();
+        pub(crate) fn terminate(&self, _child: &mut tokio::process::Child) {
+            self.send(Signal::SIGTERM);
+        }
+
+        pub(crate) fn kill(&self, child: &mut tokio::process::Child) {
+            self.send(Signal::SIGKILL);
+            let _ = child.start_kill();
+        }
     }
 }
 
@@ -558,13 +581,21 @@ mod signals {
         }
     }
 
-    pub(crate) fn forward(_child: &tokio::process::Child, _sig: u8) {}
+    pub(crate) struct Group;
 
-    pub(crate) fn terminate(child: &mut tokio::process::Child) {
-        let _ = child.start_kill();
-    }
+    impl Group {
+        pub(crate) fn of(_child: &tokio::process::Child) -> Self {
+            Group
+        }
 
-    pub(crate) fn kill(child: &mut tokio::process::Child) {
-        let _ = child.start_kill();
+        pub(crate) fn forward(&self, _sig: u8) {}
+
+        pub(crate) fn terminate(&self, child: &mut tokio::process::Child) {
+            let _ = child.start_kill();
+        }
+
+        pub(crate) fn kill(&self, child: &mut tokio::process::Child) {
+            let _ = child.start_kill();
+        }
     }
 }
