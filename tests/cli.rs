@@ -2,7 +2,10 @@
 //! redis-server. Two runs on one name serialise, `--no-wait` and `--wait` give their exit
 //! codes, a lost lease (key deleted, server killed) makes the command receive SIGTERM (and
 //! SIGKILL after the grace period) and the tool exit with the lost code, signals are
-//! forwarded, and `inspect` and `release --force` print what they see and do.
+//! forwarded (during the grace period too), and `inspect` and `release --force` print what
+//! they see and do. On Linux, the command's process group dies with a killed `redlease`, is
+//! SIGKILLed whole after the grace period, and keeps the lock until all of it has exited; a
+//! URL with a password shows in no argv, and the command's environment has no REDIS_URL.
 #![cfg(unix)]
 
 mod support;
@@ -462,25 +465,210 @@ fn a_lost_lease_also_stops_the_commands_children() {
         wait_for(SOON, || !read(&pidfile).trim().is_empty()),
         "the grandchild started"
     );
-    let pid = read(&pidfile).trim().to_owned();
+    let pid: u32 = read(&pidfile).trim().parse().unwrap();
     assert_eq!(srv.cmd(&["DEL", "redlease:{family}"]).as_int(), Some(1));
     let out = finish(run);
     assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
-    // Running, as opposed to gone or a zombie waiting to be reaped (by whoever adopted it).
-    let alive = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|stat| {
-                let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
-                Some(state != 'Z' && state != 'X')
-            })
-            .unwrap_or(false)
-    };
     // The group's SIGTERM was sent before the tool exited; the grandchild dies of it.
     assert!(
-        wait_for(SOON, || !alive()),
+        wait_for(SOON, || !alive(pid)),
         "the grandchild {pid} outlived the lease"
     );
+}
+
+/// Whether process `pid` is running: not gone, and not a zombie waiting to be reaped (by
+/// whoever adopted it). Reads /proc: false where there is none.
+fn alive(pid: u32) -> bool {
+    stat(pid).is_some_and(|(state, _)| state != 'Z' && state != 'X')
+}
+
+/// The state letter and process group of `pid`, from /proc.
+fn stat(pid: u32) -> Option<(char, u32)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid pgrp ...`; comm may hold spaces and parentheses.
+    let mut fields = text.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let pgrp = fields.nth(1)?.parse().ok()?;
+    Some((state, pgrp))
+}
+
+/// The running processes of process group `pgid`.
+#[cfg(target_os = "linux")]
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| matches!(stat(pid), Some((state, g)) if g == pgid && state != 'Z' && state != 'X'))
+        .collect()
+}
+
+/// The pid a script wrote to `path`, once it is there.
+#[cfg(target_os = "linux")]
+fn pid_in(path: &Path) -> u32 {
+    assert!(
+        wait_for(SOON, || read(path).trim().parse::<u32>().is_ok()),
+        "no pid in {}",
+        path.display()
+    );
+    read(path).trim().parse().unwrap()
+}
+
+/// SIGKILLs, when dropped, the processes whose pids are in these files, so that a failing
+/// test leaves nothing running.
+#[cfg(target_os = "linux")]
+struct Leftovers(Vec<PathBuf>);
+
+#[cfg(target_os = "linux")]
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            if let Ok(pid) = read(path).trim().parse::<u32>() {
+                if alive(pid) {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &pid.to_string()])
+                        .status();
+                }
+            }
+        }
+    }
+}
+
+/// `kill -9` of `redlease run` leaves nothing running: the command, and what it started in
+/// its process group, are killed with it (otherwise they would run on without the lock, and
+/// another run would take it once the lease expired).
+#[test]
+#[cfg(target_os = "linux")]
+fn the_command_dies_with_a_killed_redlease() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "orphan");
+    let (pidfile, childfile) = (dir.join("pid"), dir.join("child"));
+    let _leftovers = Leftovers(vec![pidfile.clone(), childfile.clone()]);
+    let script = format!(
+        "sleep 300 & echo $! > {c}; echo $$ > {p}; wait",
+        c = childfile.display(),
+        p = pidfile.display()
+    );
+    let mut run = redlease(&srv, &["run", "orphan", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let (pid, child) = (pid_in(&pidfile), pid_in(&childfile));
+    run.kill().unwrap();
+    run.wait().unwrap();
+    assert!(
+        wait_for(SOON, || !alive(pid) && !alive(child)),
+        "the command ({pid}: {}) or its child ({child}: {}) outlived redlease",
+        alive(pid),
+        alive(child)
+    );
+}
+
+/// On a lost lease, a worker of the command's group that ignores SIGTERM gets SIGKILL once
+/// the grace period is over, though the command itself obeyed SIGTERM at once.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_lost_lease_kills_the_whole_group_after_the_grace_period() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "stubborn-worker");
+    let (leader, worker, worker_sh) = (dir.join("leader"), dir.join("worker"), dir.join("w.sh"));
+    let _leftovers = Leftovers(vec![leader.clone(), worker.clone()]);
+    std::fs::write(
+        &worker_sh,
+        format!(
+            "trap '' TERM; echo $$ > {w}; while :; do sleep 0.02; done",
+            w = worker.display()
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "sh {sh} & echo $$ > {l}; wait",
+        sh = worker_sh.display(),
+        l = leader.display()
+    );
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "300ms", "crew", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let (leader, worker) = (pid_in(&leader), pid_in(&worker));
+    let (_, group) = stat(worker).expect("the worker runs");
+    assert_eq!(stat(leader).map(|(_, g)| g), Some(group), "one group");
+    assert_eq!(srv.cmd(&["DEL", "redlease:{crew}"]).as_int(), Some(1));
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    assert!(
+        wait_for(SOON, || group_members(group).is_empty()),
+        "left in the group after the grace period: {:?} (worker {worker})",
+        group_members(group)
+    );
+}
+
+/// The lock is held until every process of the command's group has exited, as flock(1)'s
+/// descriptor is while a background child that inherited it runs: a process the command left
+/// running in the background keeps a second run out, and the tool exits (with the command's
+/// code) only when it is gone.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_lock_is_held_until_the_commands_background_processes_exit() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "background");
+    let (leader, bg, bg_sh, go) = (
+        dir.join("leader"),
+        dir.join("bg"),
+        dir.join("bg.sh"),
+        dir.join("go"),
+    );
+    let _leftovers = Leftovers(vec![bg.clone()]);
+    std::fs::write(
+        &bg_sh,
+        format!("while [ ! -e {g} ]; do sleep 0.02; done", g = go.display()),
+    )
+    .unwrap();
+    let script = format!(
+        "sh {sh} & echo $! > {b}; echo $$ > {l}; exit 7",
+        sh = bg_sh.display(),
+        b = bg.display(),
+        l = leader.display()
+    );
+    let mut run = redlease(
+        &srv,
+        &["run", "--ttl", "2s", "shared", "--", "sh", "-c", &script],
+    )
+    .spawn()
+    .unwrap();
+    let (leader, bg) = (pid_in(&leader), pid_in(&bg));
+    assert!(wait_for(SOON, || !alive(leader)), "the command exited");
+    assert!(alive(bg), "the background process runs");
+
+    let out = output(redlease(
+        &srv,
+        &["run", "--no-wait", "shared", "--", "true"],
+    ));
+    assert_eq!(
+        out.status.code(),
+        Some(EXIT_CONFLICT),
+        "a second run got the lock while the first command's background process ran: {}",
+        stderr(&out)
+    );
+    assert!(
+        run.try_wait().unwrap().is_none(),
+        "the first run still holds"
+    );
+
+    std::fs::write(&go, "").unwrap();
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    assert!(!alive(bg));
+    let out = output(redlease(
+        &srv,
+        &["run", "--no-wait", "shared", "--", "true"],
+    ));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
 /// A URL with a password, from REDIS_URL or `--url-file`, is in no process's argv, and the
@@ -583,4 +771,23 @@ fn signals_during_the_grace_period_are_forwarded() {
     let out = finish(run);
     assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
     assert!(read(&marker).contains("INT"), "{}", read(&marker));
+}
+
+/// A command that signals its own process group (`kill 0`, common in shell scripts that
+/// clean up after themselves) still ends with its own exit code.
+#[test]
+fn a_command_that_signals_its_own_group_keeps_its_exit_code() {
+    let srv = RedisServer::start();
+    let out = output(redlease(
+        &srv,
+        &[
+            "run",
+            "selfish",
+            "--",
+            "sh",
+            "-c",
+            "trap '' TERM HUP USR1; kill 0; kill -HUP 0; kill -USR1 0; exit 5",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
 }

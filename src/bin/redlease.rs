@@ -10,6 +10,11 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use redlease::{Error, LockGuard, LockManager, LockOptions, RedisBackend, RedisOptions};
 
+// Beside this file, where cargo does not take it for a binary of its own.
+#[cfg(target_os = "linux")]
+#[path = "redlease/supervisor.rs"]
+mod supervisor;
+
 /// Exit code: the lock is held by someone else and `--no-wait` was given (flock's default;
 /// change it with `-E`).
 const EXIT_CONFLICT: u8 = 1;
@@ -52,13 +57,19 @@ token with its writes so that the store can refuse a late write from a holder th
 the lock (see the README, \"Fenced writes\"). When redlease's URL comes from REDIS_URL,
 the command does not get REDIS_URL.
 
+The command runs in a process group of its own. On Linux the lock is held until every
+process of that group has exited, not just the command (as flock's descriptor is while a
+background child that inherited it runs), and if redlease dies, even of SIGKILL, the whole
+group is killed with it: nothing runs on without the lock. A process that must outlive the
+lock has to leave the group (setsid).
+
 Exit codes of `run`:
   the command's own code   when it ran to its end with the lease held
   128+N                    the command died of signal N
   1                        the lock is held and --no-wait was given (change with -E)
   2                        bad arguments
-  3                        the lease was lost: the command was sent SIGTERM (SIGKILL after
-                           --grace) and the tool gave up
+  3                        the lease was lost: the command's group was sent SIGTERM (and
+                           SIGKILL after --grace) and the tool gave up
   4                        --wait ran out
   5                        Redis could not be reached, or failed
   126, 127                 the command could not be run, or was not found";
@@ -113,6 +124,17 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Internal: what `run` starts on Linux to run COMMAND and keep it tied to `redlease`
+    /// (see src/bin/redlease/supervisor.rs).
+    #[command(hide = true)]
+    Supervise {
+        /// The `redlease run` process: when it dies, the command's process group is killed.
+        #[arg(long)]
+        parent: u32,
+        /// The command and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<OsString>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -165,6 +187,9 @@ struct Fail(u8, String);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Supervise { parent, command } = &cli.command {
+        return ExitCode::from(supervise(*parent, command));
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -181,6 +206,8 @@ fn main() -> ExitCode {
             Command::Run(args) => run(&cli, args).await,
             Command::Inspect { name } => inspect(&cli, name).await,
             Command::Release { name, force } => release(&cli, name, *force).await,
+            // Run before the runtime starts, above.
+            Command::Supervise { .. } => Ok(0),
         };
         result.unwrap_or_else(|Fail(code, msg)| {
             eprintln!("redlease: {msg}");
@@ -190,6 +217,17 @@ fn main() -> ExitCode {
     // The background runtime's tasks (the watchdog, pub/sub) must not hold up the exit.
     runtime.shutdown_timeout(Duration::from_millis(200));
     ExitCode::from(code)
+}
+
+#[cfg(target_os = "linux")]
+fn supervise(parent: u32, command: &[OsString]) -> u8 {
+    supervisor::main(parent, command)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn supervise(_parent: u32, _command: &[OsString]) -> u8 {
+    eprintln!("redlease: supervise is for Linux only");
+    EXIT_USAGE
 }
 
 /// The URL without its password, for messages.
@@ -380,11 +418,11 @@ async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
         }
         Err(e) => return Err(store_error(e)),
     };
-    supervise(args, guard, &mut signals, url_from_env(cli)).await
+    hold(args, guard, &mut signals, url_from_env(cli)).await
 }
 
 /// Runs the command while `guard` holds the lease.
-async fn supervise(
+async fn hold(
     args: &RunArgs,
     guard: LockGuard,
     signals: &mut signals::Signals,
@@ -394,9 +432,8 @@ async fn supervise(
         .command
         .split_first()
         .ok_or_else(|| Fail(EXIT_USAGE, "no command given".into()))?;
-    let mut command = tokio::process::Command::new(program);
+    let mut command = command(program, rest);
     command
-        .args(rest)
         .env("REDLEASE_NAME", &args.name)
         .env("REDLEASE_FENCING_TOKEN", guard.fencing_token().to_string());
     if url_from_env {
@@ -404,21 +441,18 @@ async fn supervise(
         command.env_remove(URL_ENV);
     }
     // Its own process group: signals (forwarded, or the lost lease's SIGTERM and SIGKILL)
-    // reach everything the command started, not just the command.
+    // reach everything the command started, not just the command. On Linux the supervisor
+    // leads it.
     #[cfg(unix)]
     command.process_group(0);
+    // Spawned from the main thread (this future runs in `block_on`), which lives as long as
+    // the process: the supervisor's parent-death signal is tied to the thread that spawned it.
     let spawned = command.spawn();
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
             let _ = guard.release().await;
-            let shown = program.to_string_lossy();
-            return Err(match e.kind() {
-                std::io::ErrorKind::NotFound => {
-                    Fail(EXIT_NOT_FOUND, format!("{shown}: command not found"))
-                }
-                _ => Fail(EXIT_CANNOT_RUN, format!("{shown}: cannot run it: {e}")),
-            });
+            return Err(cannot_spawn(program, &e));
         }
     };
     let group = signals::Group::of(&child);
@@ -440,6 +474,16 @@ async fn supervise(
     };
     let status =
         status.map_err(|e| Fail(EXIT_UNAVAILABLE, format!("waiting for the command: {e}")))?;
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        // The supervisor hands the command's death by a signal on as an exit code: its own
+        // death by one means someone killed it, and what is left of the group would run on
+        // untied to us. Stop it as if redlease had died.
+        if status.signal().is_some() {
+            group.kill_rest();
+        }
+    }
     match guard.release().await {
         Ok(_) => {}
         Err(Error::NotHeld) => {
@@ -458,8 +502,42 @@ async fn supervise(
     Ok(exit_code(status))
 }
 
-/// SIGTERM to the command's group, then SIGKILL once `grace` has passed. Signals that reach
-/// redlease meanwhile are forwarded, as while the command ran.
+/// What to spawn for the command: on Linux the supervisor, which runs it (see
+/// `supervisor.rs`); elsewhere the command itself.
+#[cfg(target_os = "linux")]
+fn command(program: &OsString, args: &[OsString]) -> tokio::process::Command {
+    supervisor::command(program, args)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn command(program: &OsString, args: &[OsString]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(program);
+    command.args(args);
+    command
+}
+
+/// Why the spawn failed. On Linux the supervisor reports a command that cannot be run itself
+/// (with the same exit codes), so a failure here is the supervisor's.
+#[cfg(target_os = "linux")]
+fn cannot_spawn(_program: &OsString, e: &std::io::Error) -> Fail {
+    Fail(EXIT_CANNOT_RUN, supervisor::cannot_start(e))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn cannot_spawn(program: &OsString, e: &std::io::Error) -> Fail {
+    let shown = program.to_string_lossy();
+    match e.kind() {
+        std::io::ErrorKind::NotFound => Fail(EXIT_NOT_FOUND, format!("{shown}: command not found")),
+        _ => Fail(EXIT_CANNOT_RUN, format!("{shown}: cannot run it: {e}")),
+    }
+}
+
+/// How often `terminate` looks whether the command's group is gone, once the command is.
+const GROUP_POLL: Duration = Duration::from_millis(20);
+
+/// SIGTERM to the command's group, then SIGKILL to whatever of it is left once `grace` has
+/// passed: a worker that ignores SIGTERM does not outlive the lease because the command obeyed
+/// it. Signals that reach redlease meanwhile are forwarded, as while the command ran.
 async fn terminate(
     child: &mut tokio::process::Child,
     group: &signals::Group,
@@ -470,7 +548,15 @@ async fn terminate(
     let stopped = async {
         loop {
             tokio::select! {
-                _ = child.wait() => return,
+                _ = child.wait() => break,
+                Some(sig) = signals.recv() => group.forward(sig),
+            }
+        }
+        // On Linux the supervisor has waited for the whole group: it is empty by now.
+        // Elsewhere the command leads the group, and what it started may still run.
+        while group.exists() {
+            tokio::select! {
+                () = tokio::time::sleep(GROUP_POLL) => {}
                 Some(sig) = signals.recv() => group.forward(sig),
             }
         }
@@ -499,6 +585,7 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
 /// Forwarded signals: SIGINT, SIGTERM and SIGHUP, on unix.
 #[cfg(unix)]
 mod signals {
+    use nix::errno::Errno;
     use nix::sys::signal::{killpg, Signal};
     use nix::unistd::Pid;
     use tokio::signal::unix::{signal, SignalKind};
@@ -528,7 +615,8 @@ mod signals {
         }
     }
 
-    /// The command's process group: its id is the command's pid (it leads the group).
+    /// The command's process group: its id is the pid of the process `run` spawned, which
+    /// leads it (the supervisor on Linux, the command elsewhere).
     pub(crate) struct Group(Option<Pid>);
 
     impl Group {
@@ -554,6 +642,12 @@ mod signals {
             }
         }
 
+        /// Whether any process of the group is left (a zombie counts until it is reaped).
+        pub(crate) fn exists(&self) -> bool {
+            self.0
+                .is_some_and(|group| killpg(group, None) != Err(Errno::ESRCH))
+        }
+
         pub(crate) fn terminate(&self, _child: &mut tokio::process::Child) {
             self.send(Signal::SIGTERM);
         }
@@ -561,6 +655,14 @@ mod signals {
         pub(crate) fn kill(&self, child: &mut tokio::process::Child) {
             self.send(Signal::SIGKILL);
             let _ = child.start_kill();
+        }
+
+        /// SIGKILL to what is left of the group once its leader has been reaped. The group's
+        /// id cannot name another group while any member lives; once none does, it could
+        /// only after the pids wrapped around, between the reaping and this call.
+        #[cfg(target_os = "linux")]
+        pub(crate) fn kill_rest(&self) {
+            self.send(Signal::SIGKILL);
         }
     }
 }
@@ -589,6 +691,10 @@ mod signals {
         }
 
         pub(crate) fn forward(&self, _sig: u8) {}
+
+        pub(crate) fn exists(&self) -> bool {
+            false
+        }
 
         pub(crate) fn terminate(&self, child: &mut tokio::process::Child) {
             let _ = child.start_kill();
