@@ -2,7 +2,10 @@
 //! redis-server. Two runs on one name serialise, `--no-wait` and `--wait` give their exit
 //! codes, a lost lease (key deleted, server killed) makes the command receive SIGTERM (and
 //! SIGKILL after the grace period) and the tool exit with the lost code, signals are
-//! forwarded, and `inspect` and `release --force` print what they see and do.
+//! forwarded (during the grace period too), and `inspect` and `release --force` print what
+//! they see and do. On Linux, the command's process group dies with a killed `redlease`, is
+//! SIGKILLed whole after the grace period, and keeps the lock until all of it has exited; a
+//! URL with a password shows in no argv, and the command's environment has no REDIS_URL.
 #![cfg(unix)]
 
 mod support;
@@ -377,6 +380,39 @@ fn bad_input_and_unreachable_servers_get_clear_messages() {
     assert_eq!(out.status.code(), Some(EXIT_USAGE));
     assert!(stderr(&out).contains("scheme"), "{}", stderr(&out));
 
+    // The URL from a file: not both --url and --url-file, the file must be there and hold a URL.
+    let out = output(redlease(
+        &srv,
+        &[
+            "--url",
+            "redis://127.0.0.1:1",
+            "--url-file",
+            "/nonexistent/url",
+            "inspect",
+            "x",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--url-file"), "{}", stderr(&out));
+    let out = output(redlease(
+        &srv,
+        &["--url-file", "/nonexistent/url", "inspect", "x"],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("/nonexistent/url"),
+        "{}",
+        stderr(&out)
+    );
+    let empty = srv.dir().join("empty-url");
+    std::fs::write(&empty, "\n").unwrap();
+    let out = output(redlease(
+        &srv,
+        &["--url-file", empty.to_str().unwrap(), "inspect", "x"],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    assert!(stderr(&out).contains("empty"), "{}", stderr(&out));
+
     let out = output(redlease(&srv, &["--help"]));
     let help = stdout(&out);
     assert!(
@@ -429,23 +465,329 @@ fn a_lost_lease_also_stops_the_commands_children() {
         wait_for(SOON, || !read(&pidfile).trim().is_empty()),
         "the grandchild started"
     );
-    let pid = read(&pidfile).trim().to_owned();
+    let pid: u32 = read(&pidfile).trim().parse().unwrap();
     assert_eq!(srv.cmd(&["DEL", "redlease:{family}"]).as_int(), Some(1));
     let out = finish(run);
     assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
-    // Running, as opposed to gone or a zombie waiting to be reaped (by whoever adopted it).
-    let alive = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|stat| {
-                let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
-                Some(state != 'Z' && state != 'X')
-            })
-            .unwrap_or(false)
-    };
     // The group's SIGTERM was sent before the tool exited; the grandchild dies of it.
     assert!(
-        wait_for(SOON, || !alive()),
+        wait_for(SOON, || !alive(pid)),
         "the grandchild {pid} outlived the lease"
     );
+}
+
+/// Whether process `pid` is running: not gone, and not a zombie waiting to be reaped (by
+/// whoever adopted it). Reads /proc: false where there is none.
+fn alive(pid: u32) -> bool {
+    stat(pid).is_some_and(|(state, _)| state != 'Z' && state != 'X')
+}
+
+/// The state letter and process group of `pid`, from /proc.
+fn stat(pid: u32) -> Option<(char, u32)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid pgrp ...`; comm may hold spaces and parentheses.
+    let mut fields = text.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let pgrp = fields.nth(1)?.parse().ok()?;
+    Some((state, pgrp))
+}
+
+/// The running processes of process group `pgid`.
+#[cfg(target_os = "linux")]
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| matches!(stat(pid), Some((state, g)) if g == pgid && state != 'Z' && state != 'X'))
+        .collect()
+}
+
+/// The pid a script wrote to `path`, once it is there.
+#[cfg(target_os = "linux")]
+fn pid_in(path: &Path) -> u32 {
+    assert!(
+        wait_for(SOON, || read(path).trim().parse::<u32>().is_ok()),
+        "no pid in {}",
+        path.display()
+    );
+    read(path).trim().parse().unwrap()
+}
+
+/// SIGKILLs, when dropped, the processes whose pids are in these files, so that a failing
+/// test leaves nothing running.
+#[cfg(target_os = "linux")]
+struct Leftovers(Vec<PathBuf>);
+
+#[cfg(target_os = "linux")]
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            if let Ok(pid) = read(path).trim().parse::<u32>() {
+                if alive(pid) {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &pid.to_string()])
+                        .status();
+                }
+            }
+        }
+    }
+}
+
+/// `kill -9` of `redlease run` leaves nothing running: the command, and what it started in
+/// its process group, are killed with it (otherwise they would run on without the lock, and
+/// another run would take it once the lease expired).
+#[test]
+#[cfg(target_os = "linux")]
+fn the_command_dies_with_a_killed_redlease() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "orphan");
+    let (pidfile, childfile) = (dir.join("pid"), dir.join("child"));
+    let _leftovers = Leftovers(vec![pidfile.clone(), childfile.clone()]);
+    let script = format!(
+        "sleep 300 & echo $! > {c}; echo $$ > {p}; wait",
+        c = childfile.display(),
+        p = pidfile.display()
+    );
+    let mut run = redlease(&srv, &["run", "orphan", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let (pid, child) = (pid_in(&pidfile), pid_in(&childfile));
+    run.kill().unwrap();
+    run.wait().unwrap();
+    assert!(
+        wait_for(SOON, || !alive(pid) && !alive(child)),
+        "the command ({pid}: {}) or its child ({child}: {}) outlived redlease",
+        alive(pid),
+        alive(child)
+    );
+}
+
+/// On a lost lease, a worker of the command's group that ignores SIGTERM gets SIGKILL once
+/// the grace period is over, though the command itself obeyed SIGTERM at once.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_lost_lease_kills_the_whole_group_after_the_grace_period() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "stubborn-worker");
+    let (leader, worker, worker_sh) = (dir.join("leader"), dir.join("worker"), dir.join("w.sh"));
+    let _leftovers = Leftovers(vec![leader.clone(), worker.clone()]);
+    std::fs::write(
+        &worker_sh,
+        format!(
+            "trap '' TERM; echo $$ > {w}; while :; do sleep 0.02; done",
+            w = worker.display()
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "sh {sh} & echo $$ > {l}; wait",
+        sh = worker_sh.display(),
+        l = leader.display()
+    );
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "300ms", "crew", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let (leader, worker) = (pid_in(&leader), pid_in(&worker));
+    let (_, group) = stat(worker).expect("the worker runs");
+    assert_eq!(stat(leader).map(|(_, g)| g), Some(group), "one group");
+    assert_eq!(srv.cmd(&["DEL", "redlease:{crew}"]).as_int(), Some(1));
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    assert!(
+        wait_for(SOON, || group_members(group).is_empty()),
+        "left in the group after the grace period: {:?} (worker {worker})",
+        group_members(group)
+    );
+}
+
+/// The lock is held until every process of the command's group has exited, as flock(1)'s
+/// descriptor is while a background child that inherited it runs: a process the command left
+/// running in the background keeps a second run out, and the tool exits (with the command's
+/// code) only when it is gone.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_lock_is_held_until_the_commands_background_processes_exit() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "background");
+    let (leader, bg, bg_sh, go) = (
+        dir.join("leader"),
+        dir.join("bg"),
+        dir.join("bg.sh"),
+        dir.join("go"),
+    );
+    let _leftovers = Leftovers(vec![bg.clone()]);
+    std::fs::write(
+        &bg_sh,
+        format!("while [ ! -e {g} ]; do sleep 0.02; done", g = go.display()),
+    )
+    .unwrap();
+    let script = format!(
+        "sh {sh} & echo $! > {b}; echo $$ > {l}; exit 7",
+        sh = bg_sh.display(),
+        b = bg.display(),
+        l = leader.display()
+    );
+    let mut run = redlease(
+        &srv,
+        &["run", "--ttl", "2s", "shared", "--", "sh", "-c", &script],
+    )
+    .spawn()
+    .unwrap();
+    let (leader, bg) = (pid_in(&leader), pid_in(&bg));
+    assert!(wait_for(SOON, || !alive(leader)), "the command exited");
+    assert!(alive(bg), "the background process runs");
+
+    let out = output(redlease(
+        &srv,
+        &["run", "--no-wait", "shared", "--", "true"],
+    ));
+    assert_eq!(
+        out.status.code(),
+        Some(EXIT_CONFLICT),
+        "a second run got the lock while the first command's background process ran: {}",
+        stderr(&out)
+    );
+    assert!(
+        run.try_wait().unwrap().is_none(),
+        "the first run still holds"
+    );
+
+    std::fs::write(&go, "").unwrap();
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    assert!(!alive(bg));
+    let out = output(redlease(
+        &srv,
+        &["run", "--no-wait", "shared", "--", "true"],
+    ));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+/// A URL with a password, from REDIS_URL or `--url-file`, is in no process's argv, and the
+/// command's environment does not have it: REDIS_URL is removed when the URL came from it.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_url_stays_out_of_argv_and_the_commands_environment() {
+    const PASSWORD: &str = "pw-for-the-argv-test-91c3";
+    let srv = RedisServer::start_with(&["--requirepass", PASSWORD]);
+    let url = format!("redis://default:{PASSWORD}@127.0.0.1:{}", srv.port());
+    let url_file = srv.dir().join("url");
+    std::fs::write(&url_file, format!("{url}\n")).unwrap();
+
+    let mut from_env = redlease(&srv, &[]);
+    from_env.env("REDIS_URL", &url);
+    // The file wins over REDIS_URL, which is then not redlease's, and reaches the command as
+    // it is (it may name the command's own store).
+    let theirs = "redis://127.0.0.1:1/3";
+    let mut from_file = redlease(&srv, &["--url-file", url_file.to_str().unwrap()]);
+    from_file.env("REDIS_URL", theirs);
+
+    for (how, mut cmd) in [("REDIS_URL", from_env), ("--url-file", from_file)] {
+        let dir = scratch(&srv, &how.replace('-', ""));
+        let (env, parent, ready, go) = (
+            dir.join("env"),
+            dir.join("parent"),
+            dir.join("ready"),
+            dir.join("go"),
+        );
+        let script = format!(
+            "env > {e}; tr '\\0' ' ' < /proc/$PPID/cmdline > {p}; echo ready > {r}; \
+             while [ ! -e {g} ]; do sleep 0.02; done",
+            e = env.display(),
+            p = parent.display(),
+            r = ready.display(),
+            g = go.display()
+        );
+        cmd.args(["run", "secret", "--", "sh", "-c", &script]);
+        let run = cmd.spawn().unwrap();
+        let ready_soon = wait_for(SOON, || read(&ready).contains("ready"));
+        let argv = std::fs::read(format!("/proc/{}/cmdline", run.id())).unwrap_or_default();
+        let argv = String::from_utf8_lossy(&argv).replace('\0', " ");
+        std::fs::write(&go, "").unwrap();
+        let out = finish(run);
+        assert!(ready_soon, "{how}: the command ran: {}", stderr(&out));
+        assert_eq!(out.status.code(), Some(0), "{how}: {}", stderr(&out));
+        assert!(
+            argv.contains("secret") && !argv.contains(PASSWORD),
+            "{how}: {argv}"
+        );
+        let parent = read(&parent);
+        assert!(!parent.contains(PASSWORD), "{how}: {parent}");
+        let env = read(&env);
+        assert!(env.contains("REDLEASE_NAME=secret"), "{how}: {env}");
+        assert!(!env.contains(PASSWORD), "{how}: {env}");
+        let redis_url: Vec<&str> = env
+            .lines()
+            .filter(|l| l.starts_with("REDIS_URL="))
+            .collect();
+        if how == "REDIS_URL" {
+            assert_eq!(redis_url, Vec::<&str>::new(), "{how}");
+        } else {
+            assert_eq!(redis_url, [format!("REDIS_URL={theirs}")], "{how}");
+        }
+    }
+}
+
+/// Signals that reach the tool while a command stopped for a lost lease is in its grace
+/// period are forwarded too: here SIGINT makes the command exit long before the grace is over.
+#[test]
+fn signals_during_the_grace_period_are_forwarded() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "grace-forward");
+    let (ready, marker) = (dir.join("ready"), dir.join("marker"));
+    let script = format!(
+        "trap 'echo TERM >> {m}' TERM; trap 'echo INT >> {m}; exit 0' INT; \
+         echo ready > {r}; while :; do sleep 0.02; done",
+        m = marker.display(),
+        r = ready.display()
+    );
+    let run = redlease(
+        &srv,
+        &[
+            "run", "--ttl", "600ms", "--grace", "60s", "patient", "--", "sh", "-c", &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    assert!(wait_for(SOON, || read(&ready).contains("ready")));
+    assert_eq!(srv.cmd(&["DEL", "redlease:{patient}"]).as_int(), Some(1));
+    assert!(
+        wait_for(SOON, || read(&marker).contains("TERM")),
+        "the command got the lost lease's SIGTERM"
+    );
+    let sent = Command::new("kill")
+        .args(["-INT", &run.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = finish(run);
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", stderr(&out));
+    assert!(read(&marker).contains("INT"), "{}", read(&marker));
+}
+
+/// A command that signals its own process group (`kill 0`, common in shell scripts that
+/// clean up after themselves) still ends with its own exit code.
+#[test]
+fn a_command_that_signals_its_own_group_keeps_its_exit_code() {
+    let srv = RedisServer::start();
+    let out = output(redlease(
+        &srv,
+        &[
+            "run",
+            "selfish",
+            "--",
+            "sh",
+            "-c",
+            "trap '' TERM HUP USR1; kill 0; kill -HUP 0; kill -USR1 0; exit 5",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
 }

@@ -3,11 +3,17 @@
 //! Run `redlease --help` for the options, examples and exit codes.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use redlease::{Error, LockGuard, LockManager, LockOptions, RedisBackend, RedisOptions};
+
+// Beside this file, where cargo does not take it for a binary of its own.
+#[cfg(target_os = "linux")]
+#[path = "redlease/supervisor.rs"]
+mod supervisor;
 
 /// Exit code: the lock is held by someone else and `--no-wait` was given (flock's default;
 /// change it with `-E`).
@@ -33,6 +39,9 @@ Examples:
   # In a crontab, with the server in REDIS_URL (quiet when another host has it):
   */5 * * * * REDIS_URL=redis://locks.internal:6379 redlease run -n sync -- /opt/sync.sh
 
+  # A URL with a password: from a file (mode 600), not --url, which `ps` shows to anyone:
+  redlease --url-file /etc/redlease/url run nightly-report -- /usr/local/bin/report
+
   # Wait up to 2 minutes for the lock, holding it with a 10 s lease (renewed while the
   # command runs); give the command 30 s to stop after a SIGTERM if the lease is lost:
   redlease run --wait 2m --ttl 10s --grace 30s migrate -- ./migrate.sh
@@ -45,35 +54,46 @@ Examples:
 
 The command gets REDLEASE_NAME and REDLEASE_FENCING_TOKEN in its environment: pass the
 token with its writes so that the store can refuse a late write from a holder that lost
-the lock (see the README, \"Fenced writes\").
+the lock (see the README, \"Fenced writes\"). When redlease's URL comes from REDIS_URL,
+the command does not get REDIS_URL.
+
+The command runs in a process group of its own. On Linux the lock is held until every
+process of that group has exited, not just the command (as flock's descriptor is while a
+background child that inherited it runs), and if redlease dies, even of SIGKILL, the whole
+group is killed with it: nothing runs on without the lock. A process that must outlive the
+lock has to leave the group (setsid).
 
 Exit codes of `run`:
   the command's own code   when it ran to its end with the lease held
   128+N                    the command died of signal N
   1                        the lock is held and --no-wait was given (change with -E)
   2                        bad arguments
-  3                        the lease was lost: the command was sent SIGTERM (SIGKILL after
-                           --grace) and the tool gave up
+  3                        the lease was lost: the command's group was sent SIGTERM (and
+                           SIGKILL after --grace) and the tool gave up
   4                        --wait ran out
   5                        Redis could not be reached, or failed
   126, 127                 the command could not be run, or was not found";
 
-/// Where Redis is when neither `--url` nor `REDIS_URL` says.
+/// Where Redis is when neither `--url`, `--url-file` nor `REDIS_URL` says.
 const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+
+/// The environment variable that may hold the URL; the command never sees it.
+const URL_ENV: &str = "REDIS_URL";
 
 /// A distributed flock(1): hold a lock on Redis while a command runs.
 #[derive(Debug, Parser)]
 #[command(name = "redlease", version, after_long_help = EXAMPLES)]
 struct Cli {
-    /// The Redis server.
-    #[arg(
-        long,
-        env = "REDIS_URL",
-        hide_env_values = true,
-        default_value = DEFAULT_URL,
-        global = true
-    )]
-    url: String,
+    /// The Redis server, e.g. redis://user:password@host:6379 [env: REDIS_URL] [default:
+    /// redis://127.0.0.1:6379]. Any user of the machine can read it in `ps`: give a URL with
+    /// a password in REDIS_URL or --url-file instead.
+    #[arg(long, value_name = "URL", global = true, conflicts_with = "url_file")]
+    url: Option<String>,
+
+    /// Read the Redis URL from this file (keep it private, e.g. mode 600); it wins over
+    /// REDIS_URL, which the command then gets as it is.
+    #[arg(long, value_name = "PATH", global = true)]
+    url_file: Option<PathBuf>,
 
     /// Prefix of the lock's keys (as `LockOptions::key_prefix` in the library).
     #[arg(long, default_value = "redlease:", global = true)]
@@ -103,6 +123,17 @@ enum Command {
         /// Yes, delete another holder's lease: it will find out when its next renewal fails.
         #[arg(long)]
         force: bool,
+    },
+    /// Internal: what `run` starts on Linux to run COMMAND and keep it tied to `redlease`
+    /// (see src/bin/redlease/supervisor.rs).
+    #[command(hide = true)]
+    Supervise {
+        /// The `redlease run` process: when it dies, the command's process group is killed.
+        #[arg(long)]
+        parent: u32,
+        /// The command and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<OsString>,
     },
 }
 
@@ -156,6 +187,9 @@ struct Fail(u8, String);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Supervise { parent, command } = &cli.command {
+        return ExitCode::from(supervise(*parent, command));
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -172,6 +206,8 @@ fn main() -> ExitCode {
             Command::Run(args) => run(&cli, args).await,
             Command::Inspect { name } => inspect(&cli, name).await,
             Command::Release { name, force } => release(&cli, name, *force).await,
+            // Run before the runtime starts, above.
+            Command::Supervise { .. } => Ok(0),
         };
         result.unwrap_or_else(|Fail(code, msg)| {
             eprintln!("redlease: {msg}");
@@ -181,6 +217,17 @@ fn main() -> ExitCode {
     // The background runtime's tasks (the watchdog, pub/sub) must not hold up the exit.
     runtime.shutdown_timeout(Duration::from_millis(200));
     ExitCode::from(code)
+}
+
+#[cfg(target_os = "linux")]
+fn supervise(parent: u32, command: &[OsString]) -> u8 {
+    supervisor::main(parent, command)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn supervise(_parent: u32, _command: &[OsString]) -> u8 {
+    eprintln!("redlease: supervise is for Linux only");
+    EXIT_USAGE
 }
 
 /// The URL without its password, for messages.
@@ -195,20 +242,61 @@ fn shown_url(url: &str) -> String {
     }
 }
 
+/// The Redis URL and where it came from: `--url`, else `--url-file`, else `REDIS_URL`, else
+/// the default. A blank `--url` or `REDIS_URL` (set but empty, as shells and cron do) means
+/// the default; a blank file is an error.
+fn url(cli: &Cli) -> Result<(String, String), Fail> {
+    if let Some(url) = &cli.url {
+        return Ok(match url.trim() {
+            "" => (DEFAULT_URL.to_owned(), "the default".into()),
+            url => (url.to_owned(), "--url".into()),
+        });
+    }
+    if let Some(path) = &cli.url_file {
+        let from = format!("--url-file {}", path.display());
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Fail(EXIT_USAGE, format!("cannot read {from}: {e}")))?;
+        let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+        return match (lines.next(), lines.next()) {
+            (Some(url), None) => Ok((url.to_owned(), from)),
+            (None, _) => Err(Fail(
+                EXIT_USAGE,
+                format!("{from} is empty: write the URL in it"),
+            )),
+            (Some(_), Some(_)) => Err(Fail(
+                EXIT_USAGE,
+                format!("{from} holds more than one line: write the URL alone in it"),
+            )),
+        };
+    }
+    match std::env::var(URL_ENV) {
+        Ok(url) if !url.trim().is_empty() => Ok((url.trim().to_owned(), URL_ENV.into())),
+        Ok(_) | Err(std::env::VarError::NotPresent) => {
+            Ok((DEFAULT_URL.to_owned(), "the default".into()))
+        }
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(Fail(EXIT_USAGE, format!("{URL_ENV} is not valid UTF-8")))
+        }
+    }
+}
+
+/// Whether the URL comes from `REDIS_URL` (or would, were it set): then the command does not
+/// get it. Given `--url` or `--url-file`, `REDIS_URL` is not ours, and the command keeps it
+/// (it may be the command's own data store).
+fn url_from_env(cli: &Cli) -> bool {
+    cli.url.is_none() && cli.url_file.is_none()
+}
+
 async fn connect(cli: &Cli) -> Result<RedisBackend, Fail> {
     let opts = RedisOptions::new().connect_timeout(cli.connect_timeout);
-    // An empty REDIS_URL (set but blank, as shells and cron do) means the default.
-    let url = match cli.url.trim() {
-        "" => DEFAULT_URL,
-        url => url,
-    };
-    RedisBackend::connect_with(url, opts)
+    let (url, from) = url(cli)?;
+    RedisBackend::connect_with(&url, opts)
         .await
         .map_err(|e| match e {
-            Error::InvalidConfig(msg) => Fail(EXIT_USAGE, format!("bad --url / REDIS_URL: {msg}")),
+            Error::InvalidConfig(msg) => Fail(EXIT_USAGE, format!("bad URL (from {from}): {msg}")),
             e => Fail(
                 EXIT_UNAVAILABLE,
-                format!("cannot reach Redis at {}: {e}", shown_url(url)),
+                format!("cannot reach Redis at {}: {e}", shown_url(&url)),
             ),
         })
 }
@@ -330,64 +418,72 @@ async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
         }
         Err(e) => return Err(store_error(e)),
     };
-    supervise(args, guard, &mut signals).await
+    hold(args, guard, &mut signals, url_from_env(cli)).await
 }
 
 /// Runs the command while `guard` holds the lease.
-async fn supervise(
+async fn hold(
     args: &RunArgs,
     guard: LockGuard,
     signals: &mut signals::Signals,
+    url_from_env: bool,
 ) -> Result<u8, Fail> {
     let (program, rest) = args
         .command
         .split_first()
         .ok_or_else(|| Fail(EXIT_USAGE, "no command given".into()))?;
-    let mut command = tokio::process::Command::new(program);
+    let mut command = command(program, rest);
     command
-        .args(rest)
         .env("REDLEASE_NAME", &args.name)
         .env("REDLEASE_FENCING_TOKEN", guard.fencing_token().to_string());
+    if url_from_env {
+        // Our URL may hold a password, and the command has no use for it.
+        command.env_remove(URL_ENV);
+    }
     // Its own process group: signals (forwarded, or the lost lease's SIGTERM and SIGKILL)
-    // reach everything the command started, not just the command.
+    // reach everything the command started, not just the command. On Linux the supervisor
+    // leads it.
     #[cfg(unix)]
     command.process_group(0);
+    // Spawned from the main thread (this future runs in `block_on`), which lives as long as
+    // the process: the supervisor's parent-death signal is tied to the thread that spawned it.
     let spawned = command.spawn();
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
             let _ = guard.release().await;
-            let shown = program.to_string_lossy();
-            return Err(match e.kind() {
-                std::io::ErrorKind::NotFound => {
-                    Fail(EXIT_NOT_FOUND, format!("{shown}: command not found"))
-                }
-                _ => Fail(EXIT_CANNOT_RUN, format!("{shown}: cannot run it: {e}")),
-            });
+            return Err(cannot_spawn(program, &e));
         }
     };
+    let group = signals::Group::of(&child);
     let lost = guard.lost();
     tokio::pin!(lost);
     let status = loop {
         tokio::select! {
             status = child.wait() => break status,
-            sig = signals.recv() => {
-                if let Some(sig) = sig {
-                    signals::forward(&child, sig);
-                }
-            }
+            Some(sig) = signals.recv() => group.forward(sig),
             () = &mut lost => {
                 eprintln!(
                     "redlease: lost the lease on {}: stopping the command (SIGTERM, SIGKILL after {:?})",
                     args.name, args.grace
                 );
-                terminate(&mut child, args.grace).await;
+                terminate(&mut child, &group, args.grace, signals).await;
                 return Ok(EXIT_LOST);
             }
         }
     };
     let status =
         status.map_err(|e| Fail(EXIT_UNAVAILABLE, format!("waiting for the command: {e}")))?;
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        // The supervisor hands the command's death by a signal on as an exit code: its own
+        // death by one means someone killed it, and what is left of the group would run on
+        // untied to us. Stop it as if redlease had died.
+        if status.signal().is_some() {
+            group.kill_rest();
+        }
+    }
     match guard.release().await {
         Ok(_) => {}
         Err(Error::NotHeld) => {
@@ -406,11 +502,67 @@ async fn supervise(
     Ok(exit_code(status))
 }
 
-/// SIGTERM, then SIGKILL once `grace` has passed (to the command's process group).
-async fn terminate(child: &mut tokio::process::Child, grace: Duration) {
-    signals::terminate(child);
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        signals::kill(child);
+/// What to spawn for the command: on Linux the supervisor, which runs it (see
+/// `supervisor.rs`); elsewhere the command itself.
+#[cfg(target_os = "linux")]
+fn command(program: &OsString, args: &[OsString]) -> tokio::process::Command {
+    supervisor::command(program, args)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn command(program: &OsString, args: &[OsString]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(program);
+    command.args(args);
+    command
+}
+
+/// Why the spawn failed. On Linux the supervisor reports a command that cannot be run itself
+/// (with the same exit codes), so a failure here is the supervisor's.
+#[cfg(target_os = "linux")]
+fn cannot_spawn(_program: &OsString, e: &std::io::Error) -> Fail {
+    Fail(EXIT_CANNOT_RUN, supervisor::cannot_start(e))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn cannot_spawn(program: &OsString, e: &std::io::Error) -> Fail {
+    let shown = program.to_string_lossy();
+    match e.kind() {
+        std::io::ErrorKind::NotFound => Fail(EXIT_NOT_FOUND, format!("{shown}: command not found")),
+        _ => Fail(EXIT_CANNOT_RUN, format!("{shown}: cannot run it: {e}")),
+    }
+}
+
+/// How often `terminate` looks whether the command's group is gone, once the command is.
+const GROUP_POLL: Duration = Duration::from_millis(20);
+
+/// SIGTERM to the command's group, then SIGKILL to whatever of it is left once `grace` has
+/// passed: a worker that ignores SIGTERM does not outlive the lease because the command obeyed
+/// it. Signals that reach redlease meanwhile are forwarded, as while the command ran.
+async fn terminate(
+    child: &mut tokio::process::Child,
+    group: &signals::Group,
+    grace: Duration,
+    signals: &mut signals::Signals,
+) {
+    group.terminate(child);
+    let stopped = async {
+        loop {
+            tokio::select! {
+                _ = child.wait() => break,
+                Some(sig) = signals.recv() => group.forward(sig),
+            }
+        }
+        // On Linux the supervisor has waited for the whole group: it is empty by now.
+        // Elsewhere the command leads the group, and what it started may still run.
+        while group.exists() {
+            tokio::select! {
+                () = tokio::time::sleep(GROUP_POLL) => {}
+                Some(sig) = signals.recv() => group.forward(sig),
+            }
+        }
+    };
+    if tokio::time::timeout(grace, stopped).await.is_err() {
+        group.kill(child);
         let _ = child.wait().await;
     }
 }
@@ -433,6 +585,7 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
 /// Forwarded signals: SIGINT, SIGTERM and SIGHUP, on unix.
 #[cfg(unix)]
 mod signals {
+    use nix::errno::Errno;
     use nix::sys::signal::{killpg, Signal};
     use nix::unistd::Pid;
     use tokio::signal::unix::{signal, SignalKind};
@@ -462,28 +615,55 @@ mod signals {
         }
     }
 
-    /// To the command's process group (it leads its own: see `supervise`).
-    fn send(child: &tokio::process::Child, sig: Signal) {
-        let pid = child.id().and_then(|id| i32::try_from(id).ok());
-        if let Some(pid) = pid {
-            // The group may be gone in the meantime: nothing to do then.
-            let _ = killpg(Pid::from_raw(pid), sig);
+    /// The command's process group: its id is the pid of the process `run` spawned, which
+    /// leads it (the supervisor on Linux, the command elsewhere).
+    pub(crate) struct Group(Option<Pid>);
+
+    impl Group {
+        pub(crate) fn of(child: &tokio::process::Child) -> Self {
+            Group(
+                child
+                    .id()
+                    .and_then(|id| i32::try_from(id).ok())
+                    .map(Pid::from_raw),
+            )
         }
-    }
 
-    pub(crate) fn forward(child: &tokio::process::Child, sig: u8) {
-        if let Ok(sig) = Signal::try_from(i32::from(sig)) {
-            send(child, sig);
+        fn send(&self, sig: Signal) {
+            if let Some(group) = self.0 {
+                // The group may be gone in the meantime: nothing to do then.
+                let _ = killpg(group, sig);
+            }
         }
-    }
 
-    pub(crate) fn terminate(child: &tokio::process::Child) {
-        send(child, Signal::SIGTERM);
-    }
+        pub(crate) fn forward(&self, sig: u8) {
+            if let Ok(sig) = Signal::try_from(i32::from(sig)) {
+                self.send(sig);
+            }
+        }
 
-    pub(crate) fn kill(child: &mut tokio::process::Child) {
-        send(child, Signal::SIGKILL);
-        let _ = child.start_kill();
+        /// Whether any process of the group is left (a zombie counts until it is reaped).
+        pub(crate) fn exists(&self) -> bool {
+            self.0
+                .is_some_and(|group| killpg(group, None) != Err(Errno::ESRCH))
+        }
+
+        pub(crate) fn terminate(&self, _child: &mut tokio::process::Child) {
+            self.send(Signal::SIGTERM);
+        }
+
+        pub(crate) fn kill(&self, child: &mut tokio::process::Child) {
+            self.send(Signal::SIGKILL);
+            let _ = child.start_kill();
+        }
+
+        /// SIGKILL to what is left of the group once its leader has been reaped. The group's
+        /// id cannot name another group while any member lives; once none does, it could
+        /// only after the pids wrapped around, between the reaping and this call.
+        #[cfg(target_os = "linux")]
+        pub(crate) fn kill_rest(&self) {
+            self.send(Signal::SIGKILL);
+        }
     }
 }
 
@@ -503,13 +683,25 @@ mod signals {
         }
     }
 
-    pub(crate) fn forward(_child: &tokio::process::Child, _sig: u8) {}
+    pub(crate) struct Group;
 
-    pub(crate) fn terminate(child: &mut tokio::process::Child) {
-        let _ = child.start_kill();
-    }
+    impl Group {
+        pub(crate) fn of(_child: &tokio::process::Child) -> Self {
+            Group
+        }
 
-    pub(crate) fn kill(child: &mut tokio::process::Child) {
-        let _ = child.start_kill();
+        pub(crate) fn forward(&self, _sig: u8) {}
+
+        pub(crate) fn exists(&self) -> bool {
+            false
+        }
+
+        pub(crate) fn terminate(&self, child: &mut tokio::process::Child) {
+            let _ = child.start_kill();
+        }
+
+        pub(crate) fn kill(&self, child: &mut tokio::process::Child) {
+            let _ = child.start_kill();
+        }
     }
 }
