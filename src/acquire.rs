@@ -3,18 +3,21 @@
 //! clean-up, the `redlease.acquire` span and the acquire metrics live here and nowhere else;
 //! the kind of claim is data the store acts on.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use futures::future;
+use event_listener::{Event, EventListener};
+use futures::future::{self, FutureExt};
 
 use crate::backend::{
     Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Grant, NodeTerms, Subscription,
     WakeUp,
 };
 use crate::error::{Error, Result};
-use crate::guard::{LockGuard, PendingClaim, Releasing};
+use crate::guard::{store_id, LockGuard, PendingClaim, Releasing};
 use crate::options::LockOptions;
 use crate::options::RetryPolicy;
 use crate::runtime;
@@ -80,6 +83,9 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
         let recheck = retry.max_delay;
         let mut sub: Option<Subscription> = None;
         let mut pauses = Pauses::new(retry, notify);
+        // Woken by the store, this process's waiters on one lock share one fallback re-check
+        // (a waiter in a fair queue keeps its own place, so it re-checks for itself).
+        let mut rechecks = (notify && !target.kind.queues()).then(|| Rechecks::join(&target));
         // The first attempt yields to the waiters already there; later ones compete as a
         // waiter. The first attempt always gets its answer (bounded by the store's own
         // timeouts), so that a zero or tiny wait still takes a free lock.
@@ -124,9 +130,16 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                 sub = Some(subscribed);
                 remaining = Some(round_trip.saturating_mul(2));
             }
+            // One waiter of this lock in this process re-checks now and then (a wake-up may
+            // be lost, a crashed holder never publishes); the others wait for a wake-up, or
+            // for the re-checker to leave and hand its turn on.
+            let handover = match &mut rechecks {
+                Some(r) if !yielded => r.unless_mine(),
+                _ => None,
+            };
             // The holder's lease runs out after `remaining` (a crashed holder never
             // publishes), or a fair queue's head's deadline passes: the pause is no longer.
-            if !pauses.wait(woken, remaining, deadline).await {
+            if !pauses.wait(woken, remaining, handover, deadline).await {
                 return Err(claim.timeout());
             }
         }
@@ -306,6 +319,74 @@ impl Held for Option<LockGuard> {
     }
 }
 
+/// The fallback re-checks of one lock's waiters in this process, shared: one waiter at a time
+/// (the re-checker) re-checks now and then; the others wait for a wake-up from the store. So
+/// 10,000 idle waiters on one lock cost the store what one does. A re-checker that leaves
+/// (granted, timed out, dropped) hands the turn to another waiter.
+struct Rechecks {
+    at: (usize, LeaseKey),
+    shared: Arc<Recheck>,
+    mine: bool,
+}
+
+#[derive(Default)]
+struct Recheck {
+    /// A waiter re-checks for the others.
+    taken: AtomicBool,
+    /// Notified when the re-checker leaves.
+    handover: Event,
+}
+
+type RecheckKeys = HashMap<(usize, LeaseKey), Arc<Recheck>>;
+
+static RECHECKS: LazyLock<Mutex<RecheckKeys>> = LazyLock::new(Mutex::default);
+
+fn rechecks() -> MutexGuard<'static, RecheckKeys> {
+    RECHECKS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Rechecks {
+    fn join(target: &Target<'_>) -> Self {
+        let at = (store_id(&target.manager.backend), target.key.clone());
+        let shared = rechecks().entry(at.clone()).or_default().clone();
+        Rechecks {
+            at,
+            shared,
+            mine: false,
+        }
+    }
+
+    /// `None` if this waiter re-checks (the turn was free, or is its own already); else
+    /// what tells it that the re-checker has left.
+    fn unless_mine(&mut self) -> Option<EventListener> {
+        if self.mine {
+            return None;
+        }
+        // Listening first: a re-checker leaving after the look below notifies this listener.
+        let handover = self.shared.handover.listen();
+        if self.shared.taken.swap(true, Ordering::AcqRel) {
+            Some(handover)
+        } else {
+            self.mine = true;
+            None
+        }
+    }
+}
+
+impl Drop for Rechecks {
+    fn drop(&mut self) {
+        if self.mine {
+            self.shared.taken.store(false, Ordering::Release);
+            self.shared.handover.notify(1);
+        }
+        let mut keys = rechecks();
+        // The map's and this one: the last waiter of this lock here.
+        if Arc::strong_count(&self.shared) == 2 {
+            keys.remove(&self.at);
+        }
+    }
+}
+
 /// The waits between a waiting acquire's attempts: until a wake-up (a release or hand-off)
 /// or a pause, whichever comes first. With wake-ups the pause is a fallback re-check at
 /// most every `max_delay`; without (polling) it grows from `min_delay` to `max_delay`. Either
@@ -325,14 +406,21 @@ impl Pauses {
         }
     }
 
-    /// Waits for `woken` or the next pause (at most `remaining` + 1 ms); `false` if
-    /// `deadline` came first.
+    /// Waits for `woken` or the next pause (at most `remaining` + 1 ms), or, instead of the
+    /// pause, for `handover` (another waiter re-checks); `false` if `deadline` came first.
     async fn wait(
         &mut self,
         woken: Option<WakeUp>,
         remaining: Option<Duration>,
+        handover: Option<EventListener>,
         deadline: Option<Instant>,
     ) -> bool {
+        if let Some(handover) = handover {
+            let woken = woken.map_or_else(|| future::pending().left_future(), |w| w.right_future());
+            return runtime::until(deadline, future::select(woken, handover))
+                .await
+                .is_some();
+        }
         let mut pause = if self.notify {
             jitter(self.max, 0.8)
         } else {

@@ -125,7 +125,7 @@ fn in_flight() -> MutexGuard<'static, InFlightKeys> {
 }
 
 /// One store's identity: the address of what its `Arc` points to.
-fn store_id(backend: &Arc<dyn Backend>) -> usize {
+pub(crate) fn store_id(backend: &Arc<dyn Backend>) -> usize {
     Arc::as_ptr(backend).cast::<()>() as usize
 }
 

@@ -450,6 +450,24 @@ async fn main() {
         .unwrap();
     }
 
+    // W6: idle waiters on one held lock in one process.
+    if plan.runs("W6") {
+        eprintln!("W6");
+        let w6_node = RedisServer::start();
+        let window = plan.w5_window;
+        let i = workloads::w6(&w6_node.url(), &w6_node, 10_000, window).await;
+        writeln!(
+            md,
+            "## W6: {} tasks in one process waiting on one held lock, idle for {window:?}\n\n| Redis commands/s (all clients) | client CPU | Redis CPU | release to every waiter served once |\n|---|---|---|---|\n| {:.1} | {:.2} % of a core | {:.2} % of a core | {} |\n",
+            i.waiters,
+            i.commands_per_sec,
+            i.client_cpu_share * 100.0,
+            i.redis_cpu_share * 100.0,
+            ms(i.drained)
+        )
+        .unwrap();
+    }
+
     writeln!(md, "_Run took {:.0} s._", started.elapsed().as_secs_f64()).unwrap();
     print!("{md}");
     if let Some(dir) = plan.out.parent() {

@@ -261,6 +261,63 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
     }
 }
 
+/// What W6 measures.
+pub struct Idle {
+    pub waiters: usize,
+    pub commands_per_sec: f64,
+    pub client_cpu_share: f64,
+    pub redis_cpu_share: f64,
+    /// From the holder's release until every waiter had the lock once (one after another).
+    pub drained: Duration,
+}
+
+/// W6: `n` tasks in one process wait on one lock held by another client, idle for `window`;
+/// then the holder lets go and each waiter takes the lock once, in turn.
+pub async fn w6(url: &str, srv: &RedisServer, n: usize, window: Duration) -> Idle {
+    let manager = || async {
+        let backend = redlease::RedisBackend::connect(url).await.expect("connect");
+        redlease::LockManager::with_options(backend, redlease::LockOptions::new()).expect("opts")
+    };
+    let (holder, waiters) = (manager().await, manager().await);
+    let name = format!("w6:{}", rand::random::<u32>());
+    let held = holder.lock(&name).acquire().await.expect("acquire");
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let lock = waiters.lock(&name);
+            tokio::spawn(async move {
+                let g = lock.acquire().await.expect("acquire");
+                g.release().await.expect("release");
+            })
+        })
+        .collect();
+    // Until the waiters' first attempts are over: a half second with few commands.
+    let settle = Instant::now();
+    loop {
+        let before = srv.total_commands();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if srv.total_commands() - before < 100 || settle.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+    }
+    let (cpu0, cmd0, rcpu0) = (stats::process_cpu(), srv.total_commands(), redis_cpu(srv));
+    let t0 = Instant::now();
+    tokio::time::sleep(window).await;
+    let wall = t0.elapsed().as_secs_f64();
+    let (cpu1, cmd1, rcpu1) = (stats::process_cpu(), srv.total_commands(), redis_cpu(srv));
+    let released = Instant::now();
+    held.release().await.expect("release");
+    for t in tasks {
+        t.await.expect("waiter");
+    }
+    Idle {
+        waiters: n,
+        commands_per_sec: (cmd1 - cmd0) as f64 / wall,
+        client_cpu_share: (cpu1 - cpu0) / wall,
+        redis_cpu_share: (rcpu1 - rcpu0) / wall,
+        drained: released.elapsed(),
+    }
+}
+
 /// W4 for rslock over `urls`: W1 and W2 shapes. Returns cycles/s; `None` if a cycle stalled
 /// past `stall`.
 pub async fn w4_rslock(
