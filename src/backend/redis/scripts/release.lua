@@ -53,7 +53,9 @@ for i = 0, #KEYS / 5 - 1 do
     redis.call('PEXPIRE', fence, '3600000')
     -- (The clock is read only when one of the two is there.)
     if seen[1] and tonumber(seen[1]) > now() then
-      redis.call('PUBLISH', channel, '1')
+      -- pcall: where the user's ACL refuses the channel, the message is dropped and the
+      -- script goes on (waiters then find out by their fallback re-check).
+      redis.pcall('PUBLISH', channel, '1')
     end
     if seen[2] and tonumber(seen[2]) > now() then
       wake = true
@@ -85,7 +87,7 @@ for i = 0, #KEYS / 5 - 1 do
     end
     local head = redis.call('LINDEX', queue, 0)
     if head then
-      redis.call('PUBLISH', handoff, head)
+      redis.pcall('PUBLISH', handoff, head)
     end
   end
 end
