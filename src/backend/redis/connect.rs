@@ -320,11 +320,17 @@ impl RedisBackend {
             let connecting = client.clone();
             in_tokio(async move { drop(connecting.connect()) }).await;
         }
+        let pubsub = Arc::new(PubSub::new(subscriber, client.clone(), clustered));
+        if wait {
+            // Now rather than at the first wait: a user whose ACL refuses the lock channels
+            // is told at connect (a lazy backend checks at its first wait).
+            Box::pin(pubsub.connect()).await;
+        }
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 client,
                 scripts,
-                pubsub: Arc::new(PubSub::new(subscriber)),
+                pubsub,
                 clustered,
                 ops: Batcher::default(),
                 policy,
