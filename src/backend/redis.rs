@@ -31,9 +31,13 @@ mod fenced;
 mod keys;
 mod ops;
 mod pubsub;
+#[cfg(feature = "tls")]
+mod tls;
 
 pub use connect::RedisOptions;
 pub use fenced::FencedWrite;
+#[cfg(feature = "tls")]
+pub use tls::TlsOptions;
 
 use keys::{part, Part};
 use ops::{Op, TOMBSTONE};
