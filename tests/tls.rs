@@ -1,7 +1,7 @@
 //! `rediss://` against redis-server TLS ports (`--port 0 --tls-port`), with a throw-away
 //! certificate authority made at run time: a private CA to trust, client certificates for
-//! `tls-auth-clients yes`, an explicit server name, and bad PEM refused with
-//! `Error::InvalidConfig`.
+//! `tls-auth-clients yes`, an explicit server name, a plain-text port named as such at once,
+//! and bad PEM refused with `Error::InvalidConfig`.
 
 mod support;
 
@@ -242,6 +242,28 @@ async fn an_explicit_server_name_is_checked_instead_of_the_host() {
 
     let named = RedisOptions::new().tls(trust.server_name("redis.test"));
     round_trip(connect(&url(&srv), named).await.unwrap()).await;
+}
+
+/// A plain-text Redis does not answer a TLS hello (it waits for the end of a line): the
+/// handshake waited out the connect timeout (5 s) and said only "timeout". Now a plain-text
+/// server is named as such, well within the timeout.
+#[tokio::test]
+async fn rediss_to_a_plain_text_port_says_so_within_the_connect_timeout() {
+    let srv = RedisServer::start();
+    let options = RedisOptions::new();
+    let timeout = options.connect_timeout;
+    let started = Instant::now();
+    let msg = invalid_message(connect(&url(&srv), options).await);
+    let elapsed = started.elapsed();
+    assert!(msg.contains("did not speak TLS"), "{msg}");
+    assert!(
+        msg.contains(&srv.port().to_string()),
+        "names the server: {msg}"
+    );
+    assert!(
+        elapsed < timeout / 2,
+        "took {elapsed:?} of the {timeout:?} timeout"
+    );
 }
 
 /// Bad TLS input is `InvalidConfig` naming the part, before anything is sent (nothing

@@ -201,8 +201,9 @@ fn parse_url(url: &str) -> Result<(Config, bool)> {
 impl RedisBackend {
     /// Connects with default [`RedisOptions`]. Fails with [`Error::InvalidConfig`] for a bad
     /// URL, a server older than Redis 7.0 or one that may evict keys (see
-    /// [`RedisOptions::allow_eviction`]), and [`Error::Backend`] when the server does not
-    /// answer within the connect timeout (or a TLS handshake fails: the message says why).
+    /// [`RedisOptions::allow_eviction`]), or a `rediss://` URL whose server does not speak
+    /// TLS, and [`Error::Backend`] when the server does not answer within the connect timeout
+    /// (or a TLS handshake fails: the message says why).
     ///
     /// It also opens the pub/sub connection, and checks that release messages reach it (see
     /// [`wakes_by_message`](Self::wakes_by_message)).
@@ -402,7 +403,8 @@ impl RedisBackend {
     }
 }
 
-/// Connects `client` for the first time; over TLS, a failed handshake says why.
+/// Connects `client` for the first time; over TLS, a server that does not speak it is named
+/// at once rather than at the connect timeout.
 async fn first_connection(client: &Client) -> Result<()> {
     #[cfg(feature = "tls")]
     if client.client_config().uses_tls() {

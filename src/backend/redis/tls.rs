@@ -1,10 +1,11 @@
 //! TLS for `rediss://` (feature `tls`): whom to trust, the client's certificate, the name to
-//! check; the rustls configuration made from them; and the first connection, whose failure
-//! says why.
+//! check; the rustls configuration made from them; and the first connection, which tells a
+//! server that does not speak TLS from one that is slow.
 
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use fred::interfaces::ClientLike;
 use fred::prelude::{Client, Config};
@@ -13,9 +14,11 @@ use fred::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use fred::rustls::{self, ClientConfig, RootCertStore};
 use fred::rustls_native_certs;
 use fred::types::config::{HostMapping, ServerConfig, TlsConfig, TlsConnector, TlsHostMapping};
+use futures::future::{self, Either};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::{Error, Result};
-use crate::runtime::in_tokio;
+use crate::runtime::{self, in_tokio};
 
 /// TLS settings for `rediss://` URLs (feature `tls`), given with
 /// [`RedisOptions::tls`](crate::RedisOptions::tls()).
@@ -299,15 +302,52 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
     .await
 }
 
-/// Connects `client` (its URL uses TLS) for the first time; a failed handshake says why.
+/// Connects `client` (its URL uses TLS) for the first time. A server that does not speak
+/// TLS answers a TLS hello with silence (it waits for the end of a line), so the handshake
+/// would wait out the connect timeout: once the handshake is slow, or has failed, one plain
+/// `PING` on a connection of its own tells whether a plain-text Redis is there, and then the
+/// error says so at once.
 pub(super) async fn first_connection(client: &Client) -> Result<()> {
     let config = client.client_config();
-    let server = config.server.hosts().into_iter().next();
-    let server = server.map_or_else(|| "the server".to_owned(), |s| s.to_string());
-    in_tokio(client.init())
-        .await
-        .map(drop)
-        .map_err(|e| handshake_failed(&server, e))
+    let Some(server) = config.server.hosts().into_iter().next() else {
+        return in_tokio(client.init())
+            .await
+            .map(drop)
+            .map_err(Error::backend);
+    };
+    let timeout = client.connection_config().connection_timeout;
+    let deadline = Instant::now() + timeout;
+    // Longer than a TLS handshake takes on a healthy network; a slower one gets a PING it
+    // refuses (one line in its log), nothing worse.
+    let patience = (timeout / 4).min(Duration::from_millis(500));
+    let address = (server.host.to_string(), server.port);
+    let init = std::pin::pin!(in_tokio(client.init()));
+    let probe = std::pin::pin!(async {
+        runtime::sleep(patience).await;
+        speaks_plain_text(&address, deadline).await
+    });
+    let failed = match future::select(init, probe).await {
+        Either::Left((Ok(_), _)) => return Ok(()),
+        Either::Left((Err(e), _)) => e,
+        // The handshake goes on alone until its timeout; its task then ends.
+        Either::Right((true, _)) => return Err(not_tls(&server)),
+        Either::Right((false, init)) => match init.await {
+            Ok(_) => return Ok(()),
+            // Already asked: not a plain-text server.
+            Err(e) => return Err(handshake_failed(&server, e)),
+        },
+    };
+    if speaks_plain_text(&address, deadline.max(Instant::now() + patience)).await {
+        return Err(not_tls(&server));
+    }
+    Err(handshake_failed(&server, failed))
+}
+
+fn not_tls(server: &impl fmt::Display) -> Error {
+    Error::invalid(format!(
+        "the server at {server} did not speak TLS: it answered a plain-text PING. Use a \
+         redis:// URL for a plain-text port, or the server's TLS port (tls-port)"
+    ))
 }
 
 /// fred's words for a failed handshake (rustls's error, printed with `Debug`), after what
@@ -352,4 +392,21 @@ fn handshake_failed(server: &impl fmt::Display, e: fred::error::Error) -> Error 
     Error::backend(format!(
         "TLS connection to {server} failed{sep}{meaning} ({said})"
     ))
+}
+
+/// Whether a plain-text Redis answers at `address` before `deadline`: a `PING` gets `+PONG`
+/// or an error reply (`-NOAUTH`, `-DENIED`) from one, and a TLS alert or nothing from a TLS
+/// server.
+async fn speaks_plain_text(address: &(String, u16), deadline: Instant) -> bool {
+    let ask = async {
+        let mut stream = tokio::net::TcpStream::connect((address.0.as_str(), address.1)).await?;
+        stream.write_all(b"PING\r\n").await?;
+        let mut first = [0u8; 1];
+        let n = stream.read(&mut first).await?;
+        Ok::<_, std::io::Error>(n == 1 && matches!(first[0], b'+' | b'-'))
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    in_tokio(async { tokio::time::timeout(left, ask).await })
+        .await
+        .is_ok_and(|answer| answer.unwrap_or(false))
 }
