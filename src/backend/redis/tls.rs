@@ -99,6 +99,11 @@ impl fmt::Debug for TlsOptions {
 
 impl TlsOptions {
     /// The defaults: the system's roots, no client certificate, the URL's host.
+    ///
+    /// ```
+    /// let tls = redlease::TlsOptions::new();
+    /// assert!(format!("{tls:?}").contains("ca: None"));
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
