@@ -22,6 +22,8 @@ mod subscription;
 pub(crate) mod values;
 
 pub use memory::MemoryBackend;
+#[cfg(feature = "tls")]
+pub use redis::TlsOptions;
 pub use redis::{FencedWrite, RedisBackend, RedisOptions};
 pub use redlock::{Redlock, RedlockOptions};
 pub use subscription::{Subscription, WakeUp};

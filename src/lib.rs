@@ -98,7 +98,7 @@
 //! | `tokio` | yes | tokio executor for background work |
 //! | `smol` | no | smol executor when not inside tokio |
 //! | `async-std` | no | async-std executor when not inside tokio (and smol is off) |
-//! | `tls` | no | `rediss://` URLs (rustls); without it they are refused, never sent in plain text |
+//! | `tls` | no | `rediss://` URLs (rustls), `TlsOptions` (private CA, client certificate, server name); without it they are refused, never sent in plain text |
 //! | `serde` | no | typed values in [`Cache`] (`get_typed_with`), stored as JSON |
 //! | `metrics` | no | counters and histograms through the `metrics` facade (names in the README) |
 //! | `cli` | no | the `redlease` command-line tool, a distributed flock(1) |
@@ -142,6 +142,8 @@ pub mod futures {
     pub use crate::guard::Lost;
 }
 
+#[cfg(feature = "tls")]
+pub use backend::TlsOptions;
 pub use backend::{
     Backend, FencedWrite, MemoryBackend, RedisBackend, RedisOptions, Redlock, RedlockOptions,
 };

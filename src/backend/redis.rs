@@ -31,9 +31,13 @@ mod fenced;
 mod keys;
 mod ops;
 mod pubsub;
+#[cfg(feature = "tls")]
+mod tls;
 
 pub use connect::RedisOptions;
 pub use fenced::FencedWrite;
+#[cfg(feature = "tls")]
+pub use tls::TlsOptions;
 
 use keys::{part, Part};
 use ops::{Op, TOMBSTONE};
@@ -154,6 +158,29 @@ impl RedisBackend {
     /// The fred client underneath, for commands of your own on the same connection.
     pub fn client(&self) -> &Client {
         &self.inner.client
+    }
+
+    /// Whether waiters are woken by a message when a lock is released (`true`), or find a
+    /// free lock only by their fallback re-check (`false`: a hand-off then takes up to the
+    /// [`RetryPolicy`](crate::RetryPolicy)'s `max_delay` instead of a round trip).
+    ///
+    /// `false` when the check made as the pub/sub connection opens found that the ACL user
+    /// may not SUBSCRIBE or PUBLISH to the lock channels (a warning is logged then too). The
+    /// check runs at [`connect`](Self::connect) and [`from_client`](Self::from_client), and
+    /// at a lazy backend's first wait (`true` until then). It uses a channel named as the
+    /// lock channels are under the default key prefix, `redlease:{…}:released`; on a Redis
+    /// Cluster it sees a refused PUBLISH only.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// let backend = redlease::RedisBackend::connect("redis://app:pw@127.0.0.1:6379").await?;
+    /// if !backend.wakes_by_message() {
+    ///     eprintln!("waiters will poll: grant the user +subscribe +publish &redlease:*");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn wakes_by_message(&self) -> bool {
+        self.inner.pubsub.by_message()
     }
 
     /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context.

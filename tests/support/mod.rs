@@ -16,7 +16,7 @@ mod server;
 
 pub use checker::{Checker, Section};
 pub use plain::PlainOnly;
-pub use server::{Conn, RedisServer, Resp};
+pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
 
 use std::future::Future;
 use std::pin::Pin;

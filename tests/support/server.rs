@@ -108,6 +108,29 @@ fn sweep_stale_servers() {
     });
 }
 
+/// A fresh private directory for a test's own files (certificates, say): removed by
+/// [`ScratchDir`]'s drop, or, if the test process dies first, by the next test process.
+pub fn scratch_dir() -> ScratchDir {
+    ScratchDir(fresh_temp_dir())
+}
+
+/// A directory removed on drop; see [`scratch_dir`].
+#[derive(Debug)]
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
 fn fresh_temp_dir() -> PathBuf {
     sweep_stale_servers();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -170,6 +193,8 @@ pub struct RedisServer {
     /// Credentials the harness's own connections send with AUTH first:
     /// (username, password). Auto-set from `--requirepass`.
     auth: Auth,
+    /// The port speaks TLS only (`--port 0 --tls-port PORT`).
+    tls: bool,
 }
 
 impl RedisServer {
@@ -184,6 +209,18 @@ impl RedisServer {
     /// `["--user", "alice", "on", ">pw", "~*", "+@all"]`. Do not pass
     /// `--port`, `--dir` or `--logfile`.
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        RedisServer::start_mode(extra, false)
+    }
+
+    /// A server whose port speaks TLS only (`--port 0 --tls-port PORT`); `extra` names the
+    /// certificates (`--tls-cert-file`, `--tls-key-file`, `--tls-ca-cert-file`, and e.g.
+    /// `--tls-auth-clients no`). Ready once its own log says it listens. The harness's
+    /// plain-text connections (`cmd`, `connect`, ...) do not work with it.
+    pub fn start_tls(extra: &[&str]) -> RedisServer {
+        RedisServer::start_mode(extra, true)
+    }
+
+    fn start_mode(extra: &[&str], tls: bool) -> RedisServer {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let auth = extra
             .iter()
@@ -194,7 +231,7 @@ impl RedisServer {
         let mut errors = Vec::new();
         for attempt in 1..=START_ATTEMPTS {
             let port = reserve_port();
-            match spawn_and_wait(port, &dir, &extra, &auth) {
+            match spawn_and_wait(port, &dir, &extra, &auth, tls) {
                 Ok(child) => {
                     return RedisServer {
                         last_pid: child.id(),
@@ -203,6 +240,7 @@ impl RedisServer {
                         dir,
                         extra,
                         auth,
+                        tls,
                     };
                 }
                 Err(e) => {
@@ -276,7 +314,7 @@ impl RedisServer {
         let deadline = Instant::now() + RESTART_BIND_WINDOW;
         let mut errors = Vec::new();
         loop {
-            match spawn_and_wait(self.port, &self.dir, &self.extra, &self.auth) {
+            match spawn_and_wait(self.port, &self.dir, &self.extra, &self.auth, self.tls) {
                 Ok(child) => {
                     self.last_pid = child.id();
                     self.child = Some(child);
@@ -463,7 +501,13 @@ fn diagnostics(dir: &Path) -> String {
 /// Spawns redis-server on `port` and waits until it is ready (its own log says
 /// it listens, and PING gets an answer). On failure the child is killed and
 /// reaped.
-fn spawn_and_wait(port: u16, dir: &Path, extra: &[String], auth: &Auth) -> Result<Child, String> {
+fn spawn_and_wait(
+    port: u16,
+    dir: &Path,
+    extra: &[String],
+    auth: &Auth,
+    tls: bool,
+) -> Result<Child, String> {
     let log = dir.join("redis.log");
     let log_offset = file_len(&log);
     let stderr = fs::OpenOptions::new()
@@ -471,9 +515,18 @@ fn spawn_and_wait(port: u16, dir: &Path, extra: &[String], auth: &Auth) -> Resul
         .append(true)
         .open(dir.join("stderr.log"))
         .map_err(|e| format!("cannot open stderr.log: {e}"))?;
+    let ports: Vec<String> = if tls {
+        vec![
+            "--port".into(),
+            "0".into(),
+            "--tls-port".into(),
+            port.to_string(),
+        ]
+    } else {
+        vec!["--port".into(), port.to_string()]
+    };
     let mut child = Command::new(redis_server_bin())
-        .arg("--port")
-        .arg(port.to_string())
+        .args(&ports)
         .args(["--bind", "127.0.0.1"])
         .args(["--save", ""])
         .args(["--appendonly", "no"])
@@ -508,6 +561,22 @@ fn spawn_and_wait(port: u16, dir: &Path, extra: &[String], auth: &Auth) -> Resul
             }
             Ok(None) => {}
             Err(e) => return fail(&mut child, format!("try_wait failed: {e}")),
+        }
+        // A TLS port: our own log says it listens (a port taken by another process
+        // makes ours exit, seen above).
+        if tls {
+            if log_says_ready(&log, log_offset) {
+                return Ok(child);
+            }
+            if Instant::now() >= deadline {
+                return fail(
+                    &mut child,
+                    format!("TLS port not ready after {START_TIMEOUT:?}"),
+                );
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(50));
+            continue;
         }
         // Make sure we talk to *our* process, not to whoever else might be
         // listening on a colliding port: either our own log says we listen,

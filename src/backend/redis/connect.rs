@@ -41,6 +41,10 @@ pub struct RedisOptions {
     /// Whether a server that may evict keys is accepted; see
     /// [`allow_eviction`](Self::allow_eviction()). Default `false`.
     pub allow_eviction: bool,
+    /// TLS settings for `rediss://` URLs; see [`tls`](Self::tls()). Default: the system's
+    /// roots, no client certificate, the URL's host as the server name.
+    #[cfg(feature = "tls")]
+    pub tls: super::TlsOptions,
 }
 
 impl Default for RedisOptions {
@@ -50,6 +54,8 @@ impl Default for RedisOptions {
             connect_timeout: Duration::from_secs(5),
             max_command_attempts: 3,
             allow_eviction: false,
+            #[cfg(feature = "tls")]
+            tls: super::TlsOptions::default(),
         }
     }
 }
@@ -101,6 +107,29 @@ impl RedisOptions {
         self
     }
 
+    /// TLS settings for a `rediss://` URL (feature `tls`): a private CA to trust instead of
+    /// the system's roots, a client certificate for `tls-auth-clients yes`, the name to check
+    /// the server's certificate against. See [`TlsOptions`](super::TlsOptions). A plain
+    /// `redis://` URL with any of them set is refused with [`Error::InvalidConfig`]: the
+    /// connection would not be encrypted.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// use redlease::{RedisBackend, RedisOptions, TlsOptions};
+    /// let tls = TlsOptions::new()
+    ///     .ca_file("/etc/redis/tls/ca.crt")
+    ///     .identity_files("/etc/redis/tls/client.crt", "/etc/redis/tls/client.key");
+    /// let backend =
+    ///     RedisBackend::connect_with("rediss://redis.internal:6380", RedisOptions::new().tls(tls))
+    ///         .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, tls: super::TlsOptions) -> Self {
+        self.tls = tls;
+        self
+    }
+
     pub(super) fn validate(&self) -> Result<()> {
         let hour = Duration::from_secs(3600);
         for (name, t) in [
@@ -122,15 +151,16 @@ impl RedisOptions {
 }
 
 /// Checks the URL before fred sees it: fred would take `rediss://` without a TLS feature as
-/// plain TCP, and only log it.
-fn parse_url(url: &str) -> Result<Config> {
+/// plain TCP, and only log it. Returns fred's configuration (without TLS: see
+/// [`RedisBackend::open`]) and whether the URL asks for TLS.
+fn parse_url(url: &str) -> Result<(Config, bool)> {
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(Error::invalid(
             "Redis URL must look like redis://host:port (no scheme found)",
         ));
     };
-    match scheme {
-        "redis" | "redis-cluster" | "valkey" | "valkey-cluster" => {}
+    let tls = match scheme {
+        "redis" | "redis-cluster" | "valkey" | "valkey-cluster" => false,
         "rediss" | "rediss-cluster" | "valkeys" | "valkeys-cluster" => {
             if !cfg!(feature = "tls") {
                 return Err(Error::invalid(format!(
@@ -138,13 +168,14 @@ fn parse_url(url: &str) -> Result<Config> {
                      would not be encrypted"
                 )));
             }
+            true
         }
         other => {
             return Err(Error::invalid(format!(
             "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
         )))
         }
-    }
+    };
     let authority = rest.split(['/', '?']).next().unwrap_or_default();
     let host = authority
         .rsplit_once('@')
@@ -152,15 +183,30 @@ fn parse_url(url: &str) -> Result<Config> {
     if host.is_empty() || host.starts_with(':') {
         return Err(Error::invalid("Redis URL has no host"));
     }
+    // fred is given the plain scheme: for a TLS one it would load the system's roots here
+    // (blocking, and failing on any unreadable certificate); `open` adds the TLS settings.
+    let plain = match scheme {
+        "rediss" => format!("redis://{rest}"),
+        "rediss-cluster" => format!("redis-cluster://{rest}"),
+        "valkeys" => format!("valkey://{rest}"),
+        "valkeys-cluster" => format!("valkey-cluster://{rest}"),
+        _ => url.to_owned(),
+    };
     // fred's message names the part that failed; it does not echo credentials.
-    Config::from_url(url).map_err(|e| Error::invalid(format!("malformed Redis URL: {e}")))
+    let config = Config::from_url(&plain)
+        .map_err(|e| Error::invalid(format!("malformed Redis URL: {e}")))?;
+    Ok((config, tls))
 }
 
 impl RedisBackend {
     /// Connects with default [`RedisOptions`]. Fails with [`Error::InvalidConfig`] for a bad
     /// URL, a server older than Redis 7.0 or one that may evict keys (see
-    /// [`RedisOptions::allow_eviction`]), and [`Error::Backend`] when the server does not
-    /// answer within the connect timeout.
+    /// [`RedisOptions::allow_eviction`]), or a `rediss://` URL whose server does not speak
+    /// TLS, and [`Error::Backend`] when the server does not answer within the connect timeout
+    /// (or a TLS handshake fails: the message says why).
+    ///
+    /// It also opens the pub/sub connection, and checks that release messages reach it (see
+    /// [`wakes_by_message`](Self::wakes_by_message)).
     ///
     /// A URL's `user:password@` authenticates with ACL `AUTH`; `/N` selects database N.
     pub async fn connect(url: &str) -> Result<Self> {
@@ -198,9 +244,21 @@ impl RedisBackend {
 
     async fn open(url: &str, options: RedisOptions, wait: bool) -> Result<Self> {
         options.validate()?;
-        let mut config = parse_url(url)?;
+        let (mut config, tls) = parse_url(url)?;
+        #[cfg(feature = "tls")]
+        if tls {
+            options.tls.apply(&mut config).await?;
+        } else if options.tls.is_set() {
+            return Err(Error::invalid(
+                "TLS options are set but the URL is not rediss://: the connection would not \
+                 be encrypted",
+            ));
+        }
+        #[cfg(not(feature = "tls"))]
+        let _ = tls; // `parse_url` refused a TLS URL
         let clustered = config.server.is_clustered();
-        // The subscriber connects on first use, and fails then if the server is away.
+        // The subscriber connects in `assemble` (a lazy backend's at its first wait), and
+        // fails then if the server is away.
         let subscriber_config = config.clone();
         config.fail_fast = wait;
         let mut builder = Builder::from_config(config);
@@ -298,7 +356,7 @@ impl RedisBackend {
         .await;
         if wait {
             if !client.is_connected() {
-                in_tokio(client.init()).await.map_err(Error::backend)?;
+                first_connection(&client).await?;
             }
             // A user whose ACL refuses INFO is not refused here: the version stays unknown.
             if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Server))).await {
@@ -320,11 +378,17 @@ impl RedisBackend {
             let connecting = client.clone();
             in_tokio(async move { drop(connecting.connect()) }).await;
         }
+        let pubsub = Arc::new(PubSub::new(subscriber, client.clone(), clustered));
+        if wait {
+            // Now rather than at the first wait: a user whose ACL refuses the lock channels
+            // is told at connect (a lazy backend checks at its first wait).
+            Box::pin(pubsub.connect()).await;
+        }
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 client,
                 scripts,
-                pubsub: Arc::new(PubSub::new(subscriber)),
+                pubsub,
                 clustered,
                 ops: Batcher::default(),
                 policy,
@@ -337,6 +401,19 @@ impl RedisBackend {
     async fn ready(&self) -> bool {
         in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
     }
+}
+
+/// Connects `client` for the first time; over TLS, a server that does not speak it is named
+/// at once rather than at the connect timeout.
+async fn first_connection(client: &Client) -> Result<()> {
+    #[cfg(feature = "tls")]
+    if client.client_config().uses_tls() {
+        return Box::pin(super::tls::first_connection(client)).await;
+    }
+    in_tokio(client.init())
+        .await
+        .map(drop)
+        .map_err(Error::backend)
 }
 
 /// The server's eviction policy as last read, and whether an evicting one is accepted.

@@ -1,25 +1,53 @@
 //! Wake-ups: one subscriber connection per backend, one SUBSCRIBE per channel with local
 //! waiters, reference-counted; a message wakes one local waiter (a release), the waiter it
-//! names (a fair hand-off), or all of them (a cache fill).
+//! names (a fair hand-off), or all of them (a cache fill). When the subscriber connects, a
+//! check finds out whether messages reach it at all (an ACL may refuse the channels).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use event_listener::{Event, IntoNotification};
 use fred::clients::SubscriberClient;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
+use fred::prelude::Client;
+use fred::types::Value;
 
+use super::keys::{part, Part};
 use crate::backend::Subscription;
 use crate::error::{Error, Result};
 use crate::runtime::{self, in_tokio};
+use crate::token::{LeaseKey, Token};
 
 /// The subscriber connection and its channels.
 pub(super) struct PubSub {
     pub(super) client: SubscriberClient,
+    /// The backend's command connection: it publishes the check's message.
+    publisher: Client,
+    /// On a cluster, PUBLISH counts the receivers of one node only, so a count of 0 proves
+    /// nothing there: only a refused PUBLISH is seen.
+    clustered: bool,
     /// Serialises SUBSCRIBE/UNSUBSCRIBE so they reach the server in the order of the count
     /// changes; `true` once the connection is up.
     ops: futures::lock::Mutex<bool>,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
+    /// Cleared when the check found that messages on the lock channels do not reach the
+    /// subscriber: waiters then find a release by their fallback re-check only.
+    by_message: AtomicBool,
+}
+
+/// What the check found.
+#[derive(Debug, PartialEq, Eq)]
+enum Check {
+    /// Its own message came back.
+    Delivered,
+    /// PUBLISH was refused (the server's words): releases wake nobody.
+    PublishRefused(String),
+    /// PUBLISH reached no subscriber: the SUBSCRIBE was refused (fred reports no error for
+    /// it, as its reply comes out of band).
+    SubscribeRefused,
+    /// The check could not tell (a timeout, a dropped connection, a cluster).
+    Unknown,
 }
 
 struct Channel {
@@ -36,12 +64,93 @@ fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<Strin
 }
 
 impl PubSub {
-    pub(super) fn new(client: SubscriberClient) -> Self {
+    pub(super) fn new(client: SubscriberClient, publisher: Client, clustered: bool) -> Self {
         PubSub {
             client,
+            publisher,
+            clustered,
             ops: futures::lock::Mutex::new(false),
             channels: Arc::default(),
+            by_message: AtomicBool::new(true),
         }
+    }
+
+    /// `false` once the check found that messages on the lock channels do not reach this
+    /// backend's subscriber.
+    pub(super) fn by_message(&self) -> bool {
+        self.by_message.load(Ordering::Acquire)
+    }
+
+    /// Connects the subscriber now (not at the first wait) and checks that messages reach
+    /// it. A subscriber that cannot connect is no error here: the first waiter tries again
+    /// (and fails if it still cannot).
+    pub(super) async fn connect(self: &Arc<Self>) {
+        let mut started = self.ops.lock().await;
+        if let Err(e) = self.ensure_started(&mut started).await {
+            tracing::warn!(
+                error = %e,
+                "the Redis pub/sub connection failed; the first waiter will try again"
+            );
+        }
+    }
+
+    /// Starts the subscriber once (`started` is the flag behind `ops`), and checks it.
+    async fn ensure_started(&self, started: &mut bool) -> Result<()> {
+        if !*started {
+            self.start().await?;
+            *started = true;
+            self.report(self.check().await);
+        }
+        Ok(())
+    }
+
+    /// SUBSCRIBEs to a fresh channel named as the lock channels are under the default key
+    /// prefix, then PUBLISHes to it from the command connection: PUBLISH says how many
+    /// subscribers got the message. The subscriber's PING in between returns once the server
+    /// has answered the SUBSCRIBE (one connection, in order).
+    async fn check(&self) -> Check {
+        let probe = LeaseKey::new("redlease:", &format!("check:{}", Token::random().as_str()));
+        let channel = part(&probe, Part::Released);
+        if in_tokio(self.client.subscribe(channel.clone()))
+            .await
+            .is_err()
+        {
+            return Check::Unknown;
+        }
+        // Its reply may be the SUBSCRIBE's error, which fred hands to the next command.
+        let _ = in_tokio(self.client.ping::<Value>(None)).await;
+        let published = in_tokio(self.publisher.publish::<i64, _, _>(channel.clone(), "")).await;
+        let _ = in_tokio(self.client.unsubscribe(channel)).await;
+        match published {
+            Err(e) if e.details().starts_with("NOPERM") => {
+                Check::PublishRefused(e.details().to_owned())
+            }
+            Err(_) => Check::Unknown,
+            Ok(0) if !self.clustered => Check::SubscribeRefused,
+            Ok(_) => Check::Delivered,
+        }
+    }
+
+    /// Says what the check found (a warning when waiters are left to poll), and keeps it.
+    fn report(&self, check: Check) {
+        let config = self.publisher.client_config();
+        let server = config.server.hosts().first().map(ToString::to_string);
+        let server = server.as_deref().unwrap_or("?");
+        let user = config.username.as_deref().unwrap_or("default");
+        let why = match check {
+            Check::Delivered | Check::Unknown => return,
+            Check::PublishRefused(said) => format!("may not PUBLISH to them ({said})"),
+            Check::SubscribeRefused => "may not SUBSCRIBE to them".to_owned(),
+        };
+        self.by_message.store(false, Ordering::Release);
+        tracing::warn!(
+            server,
+            user,
+            "the Redis user {user} {why}: waiters are not woken by releases and find a free \
+             lock only by their fallback re-check (RetryPolicy max_delay), so hand-offs take \
+             that long instead of a round trip; locks still work. Grant the lock channels, \
+             e.g. ACL SETUSER {user} +subscribe +publish &redlease:* (the key prefix in use)"
+        );
     }
 
     /// Connects the subscriber and installs its handlers on the crate's background runtime,
@@ -97,10 +206,7 @@ impl PubSub {
         target: Option<String>,
     ) -> Result<Subscription> {
         let mut started = self.ops.lock().await;
-        if !*started {
-            self.start().await?;
-            *started = true;
-        }
+        self.ensure_started(&mut started).await?;
         let (event, first) = {
             let mut map = lock_map(&self.channels);
             let c = map.entry(channel.clone()).or_insert_with(|| Channel {

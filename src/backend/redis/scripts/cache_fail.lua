@@ -13,5 +13,7 @@ redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 if tonumber(ARGV[5]) > 0 then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
 end
-redis.call('PUBLISH', ARGV[4], '1')
+-- pcall: where the user's ACL refuses the channel, the message is dropped and the
+-- script goes on (waiters then find out by their fallback re-check).
+redis.pcall('PUBLISH', ARGV[4], '1')
 return 1

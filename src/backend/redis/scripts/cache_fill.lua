@@ -10,5 +10,7 @@ end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'v', ARGV[2], 'd', ARGV[3], 'g', ARGV[4], 'r', ARGV[7])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('PUBLISH', ARGV[6], '1')
+-- pcall: where the user's ACL refuses the channel, the message is dropped and the
+-- script goes on (waiters then find out by their fallback re-check).
+redis.pcall('PUBLISH', ARGV[6], '1')
 return 1

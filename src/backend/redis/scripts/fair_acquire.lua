@@ -79,7 +79,9 @@ local function attempt(i)
       if free and head and head ~= token then
         -- Free, but another waiter's turn: wake it (its wake-up may have been lost, or it
         -- just became head by an eviction) and come back by its deadline at the latest.
-        redis.call('PUBLISH', channel, head)
+        -- pcall: where the user's ACL refuses the channel, the message is dropped and the
+        -- script goes on (waiters then find out by their fallback re-check).
+        redis.pcall('PUBLISH', channel, head)
         local due = redis.call('ZSCORE', timeouts, head)
         value = due and math.max(tonumber(due) - now, 0) or -1
       else

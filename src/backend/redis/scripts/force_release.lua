@@ -13,9 +13,11 @@ redis.call('HDEL', KEYS[2], 'h')
 redis.call('PEXPIRE', KEYS[2], 3600000)
 local owners = redis.call('DEL', KEYS[3])
 redis.call('DEL', KEYS[5])
-redis.call('PUBLISH', ARGV[1], '1')
+-- pcall: where the user's ACL refuses the channel, the message is dropped and the
+-- script goes on (waiters then find out by their fallback re-check).
+redis.pcall('PUBLISH', ARGV[1], '1')
 local head = redis.call('LINDEX', KEYS[4], 0)
 if head then
-  redis.call('PUBLISH', ARGV[2], head)
+  redis.pcall('PUBLISH', ARGV[2], head)
 end
 return 1 + owners

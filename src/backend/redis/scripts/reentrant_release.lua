@@ -39,13 +39,15 @@ if current and redis.call('HGET', holds, 'token') == current
       return {1, left}
     end
     redis.call('DEL', lease, owners, holds)
-    -- Released, whatever fails after this (a PUBLISH an ACL refuses, say).
+    -- Released, whatever fails after this (a fence hash of another type, say).
     pcall(function()
       local seen = redis.call('HMGET', fence, 'w', 'q')
       redis.call('HSET', fence, 'r', hold, 'h', '')
       redis.call('PEXPIRE', fence, '3600000')
       if seen[1] and tonumber(seen[1]) > now() then
-        redis.call('PUBLISH', channel, '1')
+        -- pcall: where the user's ACL refuses the channel, the message is dropped and the
+        -- script goes on (waiters then find out by their fallback re-check).
+        redis.pcall('PUBLISH', channel, '1')
       end
       if seen[2] and tonumber(seen[2]) > now() and redis.call('LLEN', queue) > 0 then
         -- Hand the free lock to the fair queue's head, skipping waiters that died.
@@ -58,7 +60,7 @@ if current and redis.call('HGET', holds, 'token') == current
         end
         local head = redis.call('LINDEX', queue, 0)
         if head then
-          redis.call('PUBLISH', handoff, head)
+          redis.pcall('PUBLISH', handoff, head)
         end
       end
     end)

@@ -49,7 +49,7 @@ local function release(i)
     end
     if holder(lease) == token then
       redis.call('DEL', lease)
-      -- Released, whatever fails after this (a PUBLISH an ACL refuses, say).
+      -- Released, whatever fails after this (a fence hash of another type, say).
       released = 1
       local seen = redis.call('HMGET', fence, 'w', 'q')
       -- Remember the released token, so a release re-sent after a reconnect still says "ours";
@@ -58,7 +58,9 @@ local function release(i)
       redis.call('PEXPIRE', fence, '3600000')
       -- (The clock is read only when one of the two is there.)
       if seen[1] and tonumber(seen[1]) > now() then
-        redis.call('PUBLISH', channel, '1')
+        -- pcall: where the user's ACL refuses the channel, the message is dropped and the
+        -- script goes on (waiters then find out by their fallback re-check).
+        redis.pcall('PUBLISH', channel, '1')
       end
       if seen[2] and tonumber(seen[2]) > now() then
         wake = true
@@ -89,7 +91,7 @@ local function release(i)
       end
       local head = redis.call('LINDEX', queue, 0)
       if head then
-        redis.call('PUBLISH', handoff, head)
+        redis.pcall('PUBLISH', handoff, head)
       end
     end
   end)
