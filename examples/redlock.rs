@@ -27,7 +27,9 @@ const TTL: Duration = Duration::from_secs(2);
 async fn main() -> redlease::Result<()> {
     let options = RedlockOptions::new()
         .node_timeout(Duration::from_millis(50))
-        .max_lease(TTL);
+        .max_lease(TTL)
+        // Deployment-wide: no client of these servers takes a longer lease.
+        .restart_quarantine(TTL);
     let redis = RedisOptions::new().command_timeout(Duration::from_millis(500));
 
     if let Ok(urls) = std::env::var("REDLOCK_URLS") {

@@ -99,9 +99,30 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
             };
             let started = Instant::now();
             let limit = if arriving { None } else { deadline };
-            let remaining = match claim.attempt(attempt, limit).await? {
-                Tried::Granted(grant) => return Ok(claim.into_guard(grant, started)),
-                Tried::Held(remaining) => remaining,
+            let remaining = match claim.attempt(attempt, limit).await {
+                Ok(Tried::Granted(grant)) => return Ok(claim.into_guard(grant, started)),
+                Ok(Tried::Held(remaining)) => {
+                    claim.unavailable = None;
+                    remaining
+                }
+                // Too few quorum members now (down, reconnecting, warming up): the wait goes
+                // on while it lasts, trying again after a pause of its own (no holder is there
+                // to wake it). Its clean-up stays armed: a silent member may have granted.
+                Err(Error::QuorumNotReached { acquired, required }) => {
+                    if claim.unavailable.is_none() {
+                        tracing::warn!(key = %target.key, acquired, required, "quorum not reached; waiting on");
+                    }
+                    claim.unavailable = Some((acquired, required));
+                    arriving = false;
+                    if !pauses
+                        .wait(None, Some(retry.min_delay), None, deadline)
+                        .await
+                    {
+                        return Err(claim.timeout());
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e),
             };
             let round_trip = started.elapsed();
             // A first attempt turned away from a free lock: it yielded to registered waiters.
@@ -158,6 +179,9 @@ struct Attempts<'a> {
     target: &'a Target<'a>,
     pending: PendingClaim,
     began: Instant,
+    /// The last attempt found too few quorum members (a waiting acquire goes on; if its wait
+    /// ends now, this is its error rather than a timeout).
+    unavailable: Option<(usize, usize)>,
 }
 
 impl<'a> Attempts<'a> {
@@ -176,12 +200,17 @@ impl<'a> Attempts<'a> {
             target,
             pending: PendingClaim::new(target.manager.backend.clone(), claim),
             began: Instant::now(),
+            unavailable: None,
         }
     }
 
+    /// The error of a wait that ran out.
     fn timeout(&self) -> Error {
-        Error::Timeout {
-            waited: self.began.elapsed(),
+        match self.unavailable {
+            Some((acquired, required)) => Error::QuorumNotReached { acquired, required },
+            None => Error::Timeout {
+                waited: self.began.elapsed(),
+            },
         }
     }
 

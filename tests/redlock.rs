@@ -386,19 +386,68 @@ async fn three_of_five_killed_quorum_not_reached_and_nothing_left_on_the_survivo
         );
     }
 
-    // A waiting acquire reports it too, instead of waiting for its time limit.
+    // A waiting acquire waits on while its time limit lasts (a majority may come back),
+    // and then reports the quorum error, not a timeout.
     let began = Instant::now();
-    let err = within("acquire", secs(10), lock.acquire_timeout(secs(8)))
+    let err = within("acquire", secs(10), lock.acquire_timeout(secs(2)))
         .await
         .expect_err("2 of 5 nodes are no quorum");
-    eprintln!(
-        "acquire with 3 of 5 killed: {err} after {:?}",
-        began.elapsed()
-    );
+    let waited = began.elapsed();
+    eprintln!("acquire with 3 of 5 killed: {err} after {waited:?}");
     assert_quorum_error(&err, 2, 3);
+    assert!(
+        waited >= secs(2),
+        "gave up after {waited:?}, before its limit"
+    );
     for srv in &servers[..2] {
         assert!(!exists(srv, &key), "left behind on port {}", srv.port());
     }
+}
+
+/// A waiting acquire started while a majority is down keeps waiting, and gets the lock once
+/// the nodes are back and its client has reconnected to them. (Before, it ended with
+/// `QuorumNotReached` after its rounds' three quick retries.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_keeps_waiting_while_a_majority_comes_back() {
+    let mut servers = start(5);
+    let opts = guard_off().retries(2).retry_delay(ms(50));
+    let a = manager(&servers, LockOptions::new().ttl(secs(2)), opts).await;
+    for srv in &mut servers[..3] {
+        srv.kill();
+    }
+    let lock = a.lock("comes-back");
+    let waiting = tokio::spawn({
+        let lock = lock.clone();
+        async move {
+            let began = Instant::now();
+            (lock.acquire_timeout(secs(15)).await, began.elapsed())
+        }
+    });
+    // The first attempts fail on the dead majority; the nodes come back a second later.
+    let first = within("a first attempt", secs(5), async {
+        while !servers[3..]
+            .iter()
+            .all(|s| fence_counter(s, &lock).is_some())
+        {
+            tokio::time::sleep(ms(10)).await;
+        }
+    });
+    first.await;
+    let down = Instant::now();
+    tokio::time::sleep(secs(1)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the waiting acquire gave up while nodes were down"
+    );
+    for srv in &mut servers[..3] {
+        srv.restart();
+    }
+    eprintln!("majority down for {:?}, then restarted", down.elapsed());
+    let (got, waited) = within("acquire", secs(20), waiting).await.expect("task");
+    let guard = got.expect("the waiting acquire gets the lock once a majority is back");
+    eprintln!("acquired after {waited:?}");
+    assert!(!guard.is_lost());
+    guard.release().await.expect("release");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -472,7 +521,8 @@ async fn a_restarted_node_counts_only_after_max_lease_even_when_restarted_late_i
     let opts = RedlockOptions::new()
         .node_timeout(NODE_TIMEOUT)
         .retries(0)
-        .max_lease(max_lease);
+        .max_lease(max_lease)
+        .restart_quarantine(max_lease);
     wait_uptime(&servers, 2).await;
     let a = manager(&servers, LockOptions::new().ttl(secs(1)), opts).await;
     let lock = a.lock("warming");
@@ -606,7 +656,7 @@ async fn contest(b: &LockManager, a_guard: &LockGuard, restarted: &RedisServer) 
 
 /// Issue 10's test: holder A on exactly 3 of 5 nodes, one of A's nodes restarted empty,
 /// client B (a fresh Redlock that never used that node) must not get the lock while A's
-/// guard holds. Restart guard on, `max_lease` = the TTL (the default). A's watchdog is off,
+/// guard holds. Restart guard on, quarantine = `max_lease` = the TTL. A's watchdog is off,
 /// so A's guard holds for exactly its validity (with it on, A's next extension would be
 /// refused by the restarted node and A would learn it lost the lock within ttl/3).
 ///
@@ -618,9 +668,12 @@ async fn contest(b: &LockManager, a_guard: &LockGuard, restarted: &RedisServer) 
 async fn issue_restart_test_b_must_not_get_the_lock_while_a_holds_on_3_of_5() {
     let mut servers = start(5);
     let ttl = secs(2);
-    let opts = RedlockOptions::new().node_timeout(NODE_TIMEOUT);
+    let opts = RedlockOptions::new()
+        .node_timeout(NODE_TIMEOUT)
+        .max_lease(ttl)
+        .restart_quarantine(ttl);
     assert!(opts.restart_guard);
-    // Every node must have been up for max_lease (= ttl) to count at all.
+    // Every node must have been up for the quarantine (= ttl) to count at all.
     wait_uptime(&servers, 2).await;
     let a = manager(
         &servers,
@@ -660,6 +713,53 @@ async fn issue_restart_test_b_must_not_get_the_lock_while_a_holds_on_3_of_5() {
         got - restarted,
         c.restarted_uptime
     );
+}
+
+/// A holds on 3 of 3 nodes with a 60 s TTL; 2 nodes restart empty; B, with a 2 s TTL and
+/// every Redlock option at its default, must not count the restarted nodes while A's lease
+/// may live: the quarantine is deployment-wide (60 s by default), not B's own TTL. (Before,
+/// B's restart bound defaulted to its TTL and B got a majority about 2.8 s after the
+/// restart.) A takes its lease with the guard off (the fresh servers would not count for it
+/// either); B keeps trying for 5 s, past its own TTL plus the uptime rounding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_counts_for_no_client_whatever_its_ttl() {
+    let mut servers = start(3);
+    let a = manager(
+        &servers,
+        LockOptions::new().ttl(secs(60)).watchdog(false),
+        guard_off(),
+    )
+    .await;
+    let a_guard = a
+        .lock("quarantine")
+        .try_acquire()
+        .await
+        .expect("attempt")
+        .expect("free");
+    for srv in &mut servers[..2] {
+        srv.restart();
+    }
+    let restarted = Instant::now();
+    let b_opts = RedlockOptions::new().node_timeout(NODE_TIMEOUT);
+    let b = manager(&servers, LockOptions::new().ttl(secs(2)), b_opts).await;
+    let lock = b.lock("quarantine");
+    let mut attempts = 0;
+    // Waiting for time to pass on purpose: the restarted nodes' uptime must grow past B's TTL.
+    while restarted.elapsed() < secs(5) {
+        match lock.try_acquire().await {
+            Ok(Some(_)) => panic!(
+                "B got the lock {:?} after 2 of 3 nodes restarted empty, while A holds for 60 s",
+                restarted.elapsed()
+            ),
+            Ok(None) | Err(Error::QuorumNotReached { .. }) => attempts += 1,
+            Err(e) => panic!("unexpected: {e:?}"),
+        }
+        tokio::time::sleep(ms(100)).await;
+    }
+    eprintln!("B refused {attempts} times over 5 s after the restart");
+    assert!(attempts > 10);
+    assert!(!a_guard.is_lost());
+    a_guard.forget();
 }
 
 /// The same with the restart guard off: B gets the lock at once while A's guard holds, so
@@ -1109,7 +1209,8 @@ async fn checker_1000_sections_from_four_managers_while_nodes_are_killed_paused_
         .node_timeout(ms(100))
         .retries(2)
         .retry_delay(ms(30))
-        .max_lease(secs(2));
+        .max_lease(secs(2))
+        .restart_quarantine(secs(2));
     wait_uptime(&servers, 2).await;
 
     let checker = Checker::new();
@@ -1229,6 +1330,13 @@ async fn out_of_range_options_and_bad_node_lists_are_invalid_config() {
         (
             RedlockOptions::new().max_lease(secs(366 * 24 * 3600)),
             "max_lease",
+        ),
+        (RedlockOptions::new().max_lease(Duration::ZERO), "max_lease"),
+        (
+            RedlockOptions::new()
+                .max_lease(secs(10))
+                .restart_quarantine(secs(5)),
+            "restart_quarantine",
         ),
     ];
     for (opts, word) in cases {

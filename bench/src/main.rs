@@ -332,9 +332,17 @@ async fn main() {
             let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
             let url_refs: Vec<&str> = urls.iter().map(String::as_str).collect();
             wait_for_uptime(nodes, libs::TTL);
-            let redlock = redlease::Redlock::connect(&url_refs)
-                .await
-                .expect("redlock connects");
+            // The nodes are fresh: a quarantine of the TTL (no client here takes longer).
+            let options = redlease::RedlockOptions::new()
+                .max_lease(libs::TTL)
+                .restart_quarantine(libs::TTL);
+            let redlock = redlease::Redlock::connect_with(
+                &url_refs,
+                redlease::RedisOptions::new(),
+                options,
+            )
+            .await
+            .expect("redlock connects");
             let locks = redlease::LockManager::with_options(
                 redlock,
                 redlease::LockOptions::new().ttl(libs::TTL),

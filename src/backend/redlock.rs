@@ -27,7 +27,7 @@ use crate::backend::{
 };
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
-use crate::options::{MAX_RETRY_DELAY, MAX_TTL};
+use crate::options::{MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
@@ -57,8 +57,12 @@ pub struct RedlockOptions {
     pub retries: u32,
     /// The most a retry waits (at random). Default 200 ms.
     pub retry_delay: Duration,
-    /// The longest TTL any client sets on these nodes; `None`: each lease's own TTL.
-    pub max_lease: Option<Duration>,
+    /// The longest TTL this client sets on these nodes. Default
+    /// [`DEFAULT_MAX_LEASE`](Self::DEFAULT_MAX_LEASE) (60 s).
+    pub max_lease: Duration,
+    /// How long a restarted node counts toward no majority; `None`: the longer of
+    /// `max_lease` and [`DEFAULT_MAX_LEASE`](Self::DEFAULT_MAX_LEASE).
+    pub restart_quarantine: Option<Duration>,
     /// Whether a recently restarted node is kept out of every majority. Default `true`.
     pub restart_guard: bool,
 }
@@ -70,15 +74,22 @@ impl Default for RedlockOptions {
             drift_factor: 0.01,
             retries: 3,
             retry_delay: Duration::from_millis(200),
-            max_lease: None,
+            max_lease: Self::DEFAULT_MAX_LEASE,
+            restart_quarantine: None,
             restart_guard: true,
         }
     }
 }
 
 impl RedlockOptions {
+    /// The longest lease a client sets on a Redlock's nodes unless told otherwise, and the
+    /// least time a restarted node sits out: every client using the defaults agrees on it,
+    /// whatever TTLs they use, so none of them counts a restarted node while a lease another
+    /// one took there may still live.
+    pub const DEFAULT_MAX_LEASE: Duration = Duration::from_secs(60);
+
     /// The defaults: node timeout 50 ms, clock-drift factor 0.01, 3 retries after a random
-    /// delay of up to 200 ms, maximum lease time = each lease's own TTL.
+    /// delay of up to 200 ms, leases of at most 60 s, restarted nodes out for 60 s.
     pub fn new() -> Self {
         Self::default()
     }
@@ -112,22 +123,41 @@ impl RedlockOptions {
         self
     }
 
-    /// The longest TTL any client sets on these nodes. A node that has been up for less than
-    /// this counts toward no quorum: it may have restarted empty and forgotten leases that
-    /// others still hold. A lease with a longer TTL is refused with
-    /// [`Error::InvalidConfig`]. Default: each lease's own TTL (right when every client uses
-    /// the same TTL; set it when they do not). Uptime is read at one-second resolution and
-    /// rounded down, against the node.
+    /// The longest TTL this client sets on these nodes; a lease with a longer TTL is refused
+    /// with [`Error::InvalidConfig`]. Default [`DEFAULT_MAX_LEASE`](Self::DEFAULT_MAX_LEASE)
+    /// (60 s). Raising it raises the [restart quarantine](Self::restart_quarantine) with it;
+    /// raise it on every client of the deployment, since theirs must cover this client's
+    /// leases.
     pub fn max_lease(mut self, d: Duration) -> Self {
-        self.max_lease = Some(d);
+        self.max_lease = d;
         self
     }
 
-    /// Whether a node that has been up for less than the maximum lease time is kept out of
-    /// every majority (see [`max_lease`](Self::max_lease)). Default `true`. Turn it off only
+    /// How long a node that has restarted counts toward no majority (it may have restarted
+    /// empty and forgotten leases that others still hold). It must cover the longest lease
+    /// any client of the deployment takes, so it is a deployment-wide statement: set it only
+    /// when no client's TTL is above it. Default: the longer of
+    /// [`max_lease`](Self::max_lease) and [`DEFAULT_MAX_LEASE`](Self::DEFAULT_MAX_LEASE),
+    /// so a client with short leases still waits out the default of the others. Must be at
+    /// least `max_lease`. Uptime is read at one-second resolution and rounded down, against
+    /// the node.
+    pub fn restart_quarantine(mut self, d: Duration) -> Self {
+        self.restart_quarantine = Some(d);
+        self
+    }
+
+    /// The restart quarantine in force.
+    pub(crate) fn quarantine(&self) -> Duration {
+        self.restart_quarantine
+            .unwrap_or(self.max_lease.max(Self::DEFAULT_MAX_LEASE))
+    }
+
+    /// Whether a node that has been up for less than the
+    /// [restart quarantine](Self::restart_quarantine) is kept out of every majority. Default
+    /// `true`. Turn it off only
     /// when no node can come back without the leases it had: every node persists each write
     /// before answering (`appendonly yes`, `appendfsync always`), or is never restarted
-    /// sooner than one maximum lease time after it stopped.
+    /// sooner than one restart quarantine after it stopped.
     pub fn restart_guard(mut self, on: bool) -> Self {
         self.restart_guard = on;
         self
@@ -154,10 +184,19 @@ impl RedlockOptions {
                 self.retry_delay
             )));
         }
-        if let Some(d) = self.max_lease {
-            if d > MAX_TTL {
+        if self.max_lease > MAX_TTL || self.max_lease < MIN_TTL {
+            return Err(Error::invalid(format!(
+                "Redlock max_lease must be in {MIN_TTL:?} ..= {MAX_TTL:?}, got {:?}",
+                self.max_lease
+            )));
+        }
+        if let Some(q) = self.restart_quarantine {
+            if q < self.max_lease || q > MAX_TTL {
                 return Err(Error::invalid(format!(
-                    "Redlock max_lease must be at most {MAX_TTL:?}, got {d:?}"
+                    "Redlock restart_quarantine must be at least max_lease ({:?}: a restarted \
+                     node must sit out this client's own leases) and at most {MAX_TTL:?}, \
+                     got {q:?}",
+                    self.max_lease
                 )));
             }
         }
@@ -186,10 +225,11 @@ impl RedlockOptions {
 ///   holder's token is strictly greater (any two majorities share a node). Nodes are asked to
 ///   mint at least a common floor (the client's clock in µs plus one second), so they usually
 ///   agree and no write-back is sent.
-/// - **Restarts**: a node up for less than [`max_lease`](RedlockOptions::max_lease) counts
-///   toward no majority, for any client. It checks its own uptime in the same script that
+/// - **Restarts**: a node up for less than the
+///   [restart quarantine](RedlockOptions::restart_quarantine) (60 s by default, whatever
+///   TTL a client uses) counts toward no majority, for any client. It checks its own uptime in the same script that
 ///   grants, so this does not depend on this client's history with the node. Fresh servers
-///   (a new deployment) therefore grant nothing for one maximum lease time.
+///   (a new deployment) therefore grant nothing for one quarantine.
 /// - An unreachable node fails at once instead of queueing commands until it comes back.
 ///
 /// # What it does not promise
@@ -368,14 +408,15 @@ impl Redlock {
         if !self.options.restart_guard {
             return Ok(terms);
         }
-        match self.options.max_lease {
-            Some(max) if longest_ttl > max => Err(Error::invalid(format!(
-                "lease TTL {longest_ttl:?} is above this Redlock's max_lease {max:?}: \
+        let max = self.options.max_lease;
+        if longest_ttl > max {
+            return Err(Error::invalid(format!(
+                "lease TTL {longest_ttl:?} is above this Redlock's max_lease {max:?} \
+                 (RedlockOptions::max_lease, default 60 s; raise it on every client): \
                  restarted nodes would count again while such a lease may still live"
-            ))),
-            Some(max) => Ok(terms.min_uptime(max)),
-            None => Ok(terms.min_uptime(longest_ttl)),
+            )));
         }
+        Ok(terms.min_uptime(self.options.quarantine()))
     }
 
     /// Calls `call` on the nodes `which`, all at once, and gathers the answers until
