@@ -336,13 +336,10 @@ async fn main() {
             let options = redlease::RedlockOptions::new()
                 .max_lease(libs::TTL)
                 .restart_quarantine(libs::TTL);
-            let redlock = redlease::Redlock::connect_with(
-                &url_refs,
-                redlease::RedisOptions::new(),
-                options,
-            )
-            .await
-            .expect("redlock connects");
+            let redlock =
+                redlease::Redlock::connect_with(&url_refs, redlease::RedisOptions::new(), options)
+                    .await
+                    .expect("redlock connects");
             let locks = redlease::LockManager::with_options(
                 redlock,
                 redlease::LockOptions::new().ttl(libs::TTL),
