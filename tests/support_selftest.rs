@@ -96,6 +96,18 @@ fn kill_and_restart_gives_empty_server_on_same_port() {
 }
 
 #[test]
+fn restart_keeping_data_reloads_the_aof_after_a_sigkill() {
+    let mut srv = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let port = srv.port();
+    assert!(srv.cmd(&["SET", "k", "v", "PX", "60000"]).is_ok());
+    srv.restart_keeping_data();
+    assert_eq!(srv.port(), port);
+    assert_eq!(srv.cmd(&["GET", "k"]).as_str().as_deref(), Some("v"));
+    let ttl = srv.cmd(&["PTTL", "k"]).as_int().unwrap_or(-1);
+    assert!(ttl > 0 && ttl <= 60_000, "the expiry survives too: {ttl}");
+}
+
+#[test]
 fn restart_while_paused() {
     let mut srv = RedisServer::start();
     srv.pause();

@@ -9,10 +9,8 @@
 //! See bench/README.md for the workloads and how to read the tables.
 #![allow(dead_code)] // the shared server harness has more than the benchmark uses
 
-// The test harness's redis-server spawner, shared rather than copied.
-#[path = "../../tests/support/server.rs"]
-mod server;
-
+// The test harness's redis-server spawner, shared rather than copied (with the soak binary).
+mod harness;
 mod libs;
 mod stats;
 mod workloads;
@@ -20,28 +18,10 @@ mod workloads;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use harness::server;
 use libs::{Clients, Lib};
 use server::RedisServer;
 use stats::{fmt_spread, ms, spread};
-
-/// Used by the shared harness (`super::wait_for_interval`).
-pub(crate) fn wait_for_interval(
-    timeout: Duration,
-    interval: Duration,
-    mut f: impl FnMut() -> bool,
-) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        std::thread::sleep(interval.min(deadline - now));
-    }
-}
 
 struct Plan {
     quick: bool,

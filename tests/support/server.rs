@@ -307,10 +307,24 @@ impl RedisServer {
     /// with the same arguments and waits for PING. Retries bind failures for a
     /// few seconds.
     pub fn restart(&mut self) {
+        self.respawn(true);
+    }
+
+    /// `kill()` if running, then starts the server again on the same port with the same
+    /// arguments and its data dir as it was: a crash and recovery. A server started with
+    /// `--appendonly yes` reloads what it had persisted; without persistence it comes back
+    /// empty, as with [`restart`](Self::restart).
+    pub fn restart_keeping_data(&mut self) {
+        self.respawn(false);
+    }
+
+    fn respawn(&mut self, wipe: bool) {
         self.kill();
-        // Make sure nothing is reloaded: the new server must be empty.
-        let _ = fs::remove_file(self.dir.join("dump.rdb"));
-        let _ = fs::remove_dir_all(self.dir.join("appendonlydir"));
+        if wipe {
+            // Make sure nothing is reloaded: the new server must be empty.
+            let _ = fs::remove_file(self.dir.join("dump.rdb"));
+            let _ = fs::remove_dir_all(self.dir.join("appendonlydir"));
+        }
         let deadline = Instant::now() + RESTART_BIND_WINDOW;
         let mut errors = Vec::new();
         loop {
