@@ -331,7 +331,11 @@ async fn soak(setup: Setup, plan: &Plan) -> Outcome {
             ),
             Setup::Redlock { guard } => {
                 let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
-                let redlock = RedlockOptions::new().restart_guard(guard);
+                // Every client here takes leases of `ttl`: restarted nodes sit out that long.
+                let redlock = RedlockOptions::new()
+                    .restart_guard(guard)
+                    .max_lease(ttl)
+                    .restart_quarantine(ttl);
                 LockManager::with_options(
                     Redlock::connect_with(&refs, RedisOptions::new(), redlock)
                         .await
