@@ -13,8 +13,8 @@ use event_listener::{Event, EventListener};
 use futures::future::{self, FutureExt};
 
 use crate::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Grant, NodeTerms, Subscription,
-    WakeUp,
+    Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Grant, NodeTerms, Release,
+    Subscription, WakeUp,
 };
 use crate::error::{Error, Result};
 use crate::guard::{store_id, LockGuard, PendingClaim, Releasing};
@@ -24,6 +24,10 @@ use crate::runtime;
 use crate::token::LeaseKey;
 use crate::token::Token;
 use crate::watchdog::{ToKeep, Watchdog};
+
+/// How long an attempt waits for this process's release of the same key still in flight
+/// before it goes ahead anyway (a release takes one round trip).
+const RELEASE_WAIT: Duration = Duration::from_millis(500);
 
 /// What a manager's locks share: the store (and what it can serve) and the watchdog.
 pub(crate) struct Engine {
@@ -85,7 +89,10 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
         let mut pauses = Pauses::new(retry, notify);
         // Woken by the store, this process's waiters on one lock share one fallback re-check
         // (a waiter in a fair queue keeps its own place, so it re-checks for itself).
-        let mut rechecks = (notify && !target.kind.queues()).then(|| Rechecks::join(&target));
+        // Joined at the first pause: an acquire granted at once never touches the registry.
+        let shares_rechecks = notify && !target.kind.queues();
+        let mut rechecks: Option<Rechecks> = None;
+        let mut unavailable_pause = retry.min_delay;
         // The first attempt yields to the waiters already there; later ones compete as a
         // waiter. The first attempt always gets its answer (bounded by the store's own
         // timeouts), so that a zero or tiny wait still takes a free lock.
@@ -103,6 +110,7 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                 Ok(Tried::Granted(grant)) => return Ok(claim.into_guard(grant, started)),
                 Ok(Tried::Held(remaining)) => {
                     claim.unavailable = None;
+                    unavailable_pause = retry.min_delay;
                     remaining
                 }
                 // Too few quorum members now (down, reconnecting, warming up): the wait goes
@@ -114,9 +122,12 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                     }
                     claim.unavailable = Some((acquired, required));
                     arriving = false;
-                    if !pauses
-                        .wait(None, Some(retry.min_delay), None, deadline)
+                    // Backing off from min_delay to max_delay: an outage may be long.
+                    let pause = jitter(unavailable_pause, 0.5);
+                    unavailable_pause = unavailable_pause.saturating_mul(2).min(recheck);
+                    if runtime::until(deadline, runtime::sleep(pause))
                         .await
+                        .is_none()
                     {
                         return Err(claim.timeout());
                     }
@@ -154,6 +165,9 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
             // One waiter of this lock in this process re-checks now and then (a wake-up may
             // be lost, a crashed holder never publishes); the others wait for a wake-up, or
             // for the re-checker to leave and hand its turn on.
+            if shares_rechecks && rechecks.is_none() {
+                rechecks = Some(Rechecks::join(&target));
+            }
             let handover = match &mut rechecks {
                 Some(r) if !yielded => r.unless_mine(),
                 _ => None,
@@ -216,17 +230,25 @@ impl<'a> Attempts<'a> {
 
     /// Sends one attempt and waits for its answer until `limit`.
     async fn attempt(&mut self, attempt: Attempt, limit: Option<Instant>) -> Result<Tried> {
+        // A release of this key dropped by this process a moment ago goes first: racing it
+        // would find the lease still held, and wait for a wake-up. Only an ordering: if the
+        // release takes long (a slow store, its runtime not polled), the attempt goes ahead
+        // after a while.
+        let released = Releasing::wait(&self.target.manager.backend, self.target.key);
+        let cap = Instant::now() + RELEASE_WAIT;
+        if runtime::until(Some(limit.map_or(cap, |l| l.min(cap))), released)
+            .await
+            .is_none()
+            && limit.is_some_and(|l| Instant::now() >= l)
+        {
+            return Err(self.timeout());
+        }
         // From here until a definite answer, the claim may hold the lease (or a place in a
         // queue): until a guard takes it over, giving up (an error, the deadline, a dropped
         // future) abandons it in the background.
-        // A release of this key dropped by this process a moment ago goes first: racing it
-        // would find the lease still held, and wait for a wake-up.
-        let released = Releasing::wait(&self.target.manager.backend, self.target.key);
-        if runtime::until(limit, released).await.is_none() {
-            return Err(self.timeout());
-        }
         self.pending.armed = true;
         let backend = &*self.target.manager.backend;
+        let sent_at = Instant::now();
         let sent = backend.acquire(&self.pending.claim, attempt, NodeTerms::new());
         let outcome = match runtime::until(limit, sent).await {
             None => return Err(self.timeout()),
@@ -242,6 +264,18 @@ impl<'a> Attempts<'a> {
             }
         };
         Ok(match outcome {
+            Acquire::Granted(grant) if sent_at.elapsed() >= grant.validity => {
+                // Granted, but the answer came back after the lease's validity (the store or
+                // this process paused in between): a guard would be lost from the start.
+                // Given back now; the caller tries again, or is told it did not get it.
+                let lease = Release::Confirmed {
+                    lease: &grant.lease,
+                };
+                backend.release(&self.pending.claim, lease).await?;
+                self.pending.armed = false;
+                tracing::warn!(key = %self.target.key, late = ?sent_at.elapsed(), "a grant came back after its validity; given back");
+                Tried::Held(Some(Duration::ZERO))
+            }
             Acquire::Granted(grant) => Tried::Granted(grant),
             Acquire::Held { remaining } => {
                 crate::telemetry::contended();
@@ -354,7 +388,8 @@ impl Held for Option<LockGuard> {
 /// (granted, timed out, dropped) hands the turn to another waiter.
 struct Rechecks {
     at: (usize, LeaseKey),
-    shared: Arc<Recheck>,
+    /// Taken (under the registry's lock) when this waiter leaves.
+    shared: Option<Arc<Recheck>>,
     mine: bool,
 }
 
@@ -380,7 +415,7 @@ impl Rechecks {
         let shared = rechecks().entry(at.clone()).or_default().clone();
         Rechecks {
             at,
-            shared,
+            shared: Some(shared),
             mine: false,
         }
     }
@@ -388,12 +423,13 @@ impl Rechecks {
     /// `None` if this waiter re-checks (the turn was free, or is its own already); else
     /// what tells it that the re-checker has left.
     fn unless_mine(&mut self) -> Option<EventListener> {
+        let shared = self.shared.as_ref()?;
         if self.mine {
             return None;
         }
         // Listening first: a re-checker leaving after the look below notifies this listener.
-        let handover = self.shared.handover.listen();
-        if self.shared.taken.swap(true, Ordering::AcqRel) {
+        let handover = shared.handover.listen();
+        if shared.taken.swap(true, Ordering::AcqRel) {
             Some(handover)
         } else {
             self.mine = true;
@@ -404,13 +440,25 @@ impl Rechecks {
 
 impl Drop for Rechecks {
     fn drop(&mut self) {
-        if self.mine {
-            self.shared.taken.store(false, Ordering::Release);
-            self.shared.handover.notify(1);
-        }
         let mut keys = rechecks();
-        // The map's and this one: the last waiter of this lock here.
-        if Arc::strong_count(&self.shared) == 2 {
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        if self.mine {
+            shared.taken.store(false, Ordering::Release);
+        }
+        // The turn is free: wake a waiter to take it. Also when this waiter was not the
+        // re-checker: it may have been woken by the last handover and be leaving with it
+        // (granted, failed, cancelled) before it took the turn.
+        if !shared.taken.load(Ordering::Acquire) {
+            shared.handover.notify(1);
+        }
+        drop(shared);
+        // Only the map's reference is left: the last waiter of this lock here has gone.
+        if keys
+            .get(&self.at)
+            .is_some_and(|r| Arc::strong_count(r) == 1)
+        {
             keys.remove(&self.at);
         }
     }

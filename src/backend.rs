@@ -542,3 +542,37 @@ impl std::error::Error for NotSent {}
 pub(crate) fn not_sent(e: &Error) -> bool {
     matches!(e, Error::Backend { source } if source.downcast_ref::<NotSent>().is_some())
 }
+
+/// A command the store ran and answered with an error of its own (a key of the wrong type,
+/// a command an ACL refuses): trying again will not help, unlike a timeout or a lost
+/// connection.
+#[derive(Debug)]
+pub(crate) struct Refused(pub(crate) String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// Whether `e` says the store will not serve the call however often it is tried: a
+/// [`Refused`] command, bad input, or a store that cannot serve it (a server that may evict
+/// keys, say).
+pub(crate) fn refused(e: &Error) -> bool {
+    match e {
+        Error::InvalidConfig(_) | Error::Unsupported(_) => true,
+        Error::Backend { source } => source.downcast_ref::<Refused>().is_some(),
+        _ => false,
+    }
+}
+
+/// The same error again, for reporting one node's refusal as a quorum's answer.
+pub(crate) fn same_error(e: &Error) -> Error {
+    match e {
+        Error::InvalidConfig(m) => Error::InvalidConfig(m.clone()),
+        Error::Unsupported(m) => Error::Unsupported(m.clone()),
+        other => Error::backend(Refused(other.to_string())),
+    }
+}

@@ -142,7 +142,7 @@ impl Releasing {
         Releasing { at }
     }
 
-    /// Waits until no release of `key` on `backend` started before this call is in flight.
+    /// Waits until no release of `key` on `backend` is in flight.
     pub(crate) async fn wait(backend: &Arc<dyn Backend>, key: &LeaseKey) {
         if IN_FLIGHT.count.load(Ordering::Acquire) == 0 {
             return;
@@ -407,17 +407,29 @@ impl LockGuard {
             None => ttl,
         };
         let span = tracing::debug_span!("redlease.extend", key = %claim.key, ?ttl);
+        let sent_ttl = one.ttl;
         let reply = (*h.release.backend)
             .extend(&[one], NodeTerms::new())
             .instrument(span)
-            .await?;
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                h.kept.state.unconfirmed(started, sent_ttl);
+                return Err(e);
+            }
+        };
         match reply.into_iter().next() {
             Some(Extended::Held(validity)) if h.kept.state.confirm(started, validity) => {
                 h.kept.set_ttl(ttl);
                 Ok(())
             }
-            // This lease's command failed: not lost by that alone.
-            Some(Extended::Failed(e)) => Err(e),
+            // This lease's command failed: not lost by that alone (but a shorter TTL it may
+            // have set counts).
+            Some(Extended::Failed(e)) => {
+                h.kept.state.unconfirmed(started, sent_ttl);
+                Err(e)
+            }
             _ => {
                 // Counted as lost by the watchdog, which drops the lease at its next look.
                 tracing::warn!(key = %claim.key, "lease lost: extension refused");

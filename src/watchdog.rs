@@ -10,7 +10,7 @@ use event_listener::Event;
 use futures::future;
 use tracing::Instrument;
 
-use crate::backend::{Backend, Extended, Lease, NodeTerms};
+use crate::backend::{clock_drift, Backend, Extended, Lease, NodeTerms};
 use crate::options::MIN_TTL;
 use crate::runtime;
 use crate::token::{LeaseKey, Token};
@@ -82,6 +82,17 @@ impl LeaseState {
         self.deadline
             .fetch_max(to_nanos(deadline), Ordering::AcqRel);
         true
+    }
+
+    /// An extension sent at `sent` with `ttl` may have run without its answer arriving: if
+    /// it would end the lease before the deadline (a shorter TTL, near a maximum hold), the
+    /// deadline comes forward to where that extension would leave it.
+    pub(crate) fn unconfirmed(&self, sent: Instant, ttl: Duration) {
+        let end = to_nanos(sent + ttl.saturating_sub(clock_drift(ttl)));
+        if self.deadline.fetch_min(end, Ordering::AcqRel) > end {
+            // `lost()` sleeps until the deadline it read: wake it to read the new one.
+            self.event.notify(usize::MAX);
+        }
     }
 
     pub(crate) fn mark_lost(&self) {
@@ -527,6 +538,7 @@ async fn run(running: Running) {
                         Extended::Failed(err) => {
                             // This lease's command failed, its neighbours' did not: only it is
                             // tried again, and it is lost only at its deadline.
+                            e.state.unconfirmed(started, d.ttl);
                             if failed == 0 {
                                 tracing::warn!(key = %d.key, error = %err, "lease extension failed; retrying");
                             }
@@ -559,6 +571,7 @@ async fn run(running: Running) {
                 let retry_at = Instant::now();
                 for d in &due {
                     if let Some(e) = reg.entries.get_mut(&d.id) {
+                        e.state.unconfirmed(started, d.ttl);
                         e.next_due = retry_at + retry_after(e.interval);
                     }
                 }

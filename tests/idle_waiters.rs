@@ -110,3 +110,55 @@ async fn a_rechecker_that_leaves_hands_its_turn_on() {
         .expect("the second waiter gets the lock when the crashed lease runs out");
     assert!(!got.is_lost());
 }
+
+/// The handover is not lost when the waiter that receives it leaves before taking the turn:
+/// the re-checker gives up; the waiter woken by its handover gets the lock (the crashed
+/// holder's lease ran out) and then crashes too; the other waiter must still get the lock
+/// when that lease runs out, though no release ever wakes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handover_received_by_a_waiter_that_leaves_is_passed_on() {
+    let srv = RedisServer::start();
+    let holder = manager(&srv, Duration::from_secs(10)).await;
+    let waiters = manager(&srv, Duration::from_millis(800)).await;
+    let crashed = holder.lock("passed-on").acquire().await.expect("acquire");
+    let scripts = srv.script_calls();
+    // The re-checker: told the lease has 10 s left, it pauses a whole re-check interval
+    // (about a second), and gives up before that.
+    let first = tokio::spawn({
+        let lock = waiters.lock("passed-on");
+        async move { lock.acquire_timeout(Duration::from_millis(400)).await }
+    });
+    assert!(
+        wait_for_async(Duration::from_secs(5), || srv.command_calls("subscribe")
+            >= 1
+            && srv.script_calls() >= scripts + 2)
+        .await,
+        "the first waiter is waiting"
+    );
+    // Two more waiters: each crashes holding the lock once it gets it, so only a re-check
+    // (never a release) lets the other one in.
+    let crash_holding = || {
+        let lock = waiters.lock("passed-on");
+        tokio::spawn(async move {
+            let g = lock.acquire_timeout(Duration::from_secs(10)).await?;
+            Ok::<_, redlease::Error>(g.forget())
+        })
+    };
+    let (second, third) = (crash_holding(), crash_holding());
+    // The holder crashes with 50 ms left: when the re-checker leaves, the lock is free, and
+    // the waiter its handover wakes is granted at once.
+    crashed
+        .extend(Duration::from_millis(50))
+        .await
+        .expect("extend");
+    crashed.forget();
+    assert!(matches!(
+        first.await.expect("task"),
+        Err(redlease::Error::Timeout { .. })
+    ));
+    for (name, w) in [("second", second), ("third", third)] {
+        w.await
+            .expect("task")
+            .unwrap_or_else(|e| panic!("the {name} waiter never got the lock: {e:?}"));
+    }
+}

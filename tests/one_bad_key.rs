@@ -220,3 +220,42 @@ async fn a_release_whose_publish_is_refused_still_reports_success() {
         .expect("the waiter gets the lock");
     assert!(!next.is_lost());
 }
+
+/// Over Redlock, a key of the wrong type on a majority of the nodes is an error that waiting
+/// will not mend: a waiting acquire reports it (naming the key and Redis' error) at once,
+/// instead of waiting out its time limit for a quorum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_key_on_a_redlock_majority_is_reported_not_waited_for() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let options = redlease::RedlockOptions::new().restart_guard(false);
+    let redlock = redlease::Redlock::connect_with(&urls, redlease::RedisOptions::new(), options)
+        .await
+        .expect("connect");
+    let locks = LockManager::new(redlock);
+    let lock = locks.lock("bad-quorum");
+    for srv in &servers[..2] {
+        poison(srv, lock.key().as_str());
+    }
+    let began = std::time::Instant::now();
+    let err = lock
+        .acquire_timeout(Duration::from_secs(20))
+        .await
+        .expect_err("a majority holds a hash at the key");
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "waited {:?} for a quorum that cannot come",
+        began.elapsed()
+    );
+    match err {
+        Error::Backend { source } => {
+            let text = source.to_string();
+            assert!(
+                text.contains("WRONGTYPE") && text.contains("bad-quorum"),
+                "{text}"
+            );
+        }
+        other => panic!("expected the type error, got {other:?}"),
+    }
+}

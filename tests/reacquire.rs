@@ -48,11 +48,8 @@ async fn an_acquire_after_a_dropped_guard_waits_for_its_release() {
     );
 }
 
-/// `drop(guard); lock.try_acquire()` finds the lock free: its own release went first.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_try_acquire_after_a_dropped_guard_finds_the_lock_free() {
-    let srv = RedisServer::start();
-    let locks = manager(&srv).await;
+/// 200 times `drop(guard); lock.try_acquire()`: the lock is free each time.
+async fn try_acquire_after_drop(locks: &LockManager) {
     let lock = locks.lock("again-once");
     for i in 0..200 {
         let guard = lock.try_acquire().await.expect("try_acquire");
@@ -64,19 +61,17 @@ async fn a_try_acquire_after_a_dropped_guard_finds_the_lock_free() {
     }
 }
 
+/// `drop(guard); lock.try_acquire()` finds the lock free: its own release went first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_acquire_after_a_dropped_guard_finds_the_lock_free() {
+    let srv = RedisServer::start();
+    try_acquire_after_drop(&manager(&srv).await).await;
+}
+
 /// The same on the in-process store.
 #[tokio::test]
 async fn a_try_acquire_after_a_dropped_guard_finds_the_lock_free_in_memory() {
-    let locks = LockManager::new(MemoryBackend::new());
-    let lock = locks.lock("again-memory");
-    for i in 0..200 {
-        let guard = lock.try_acquire().await.expect("try_acquire");
-        assert!(
-            guard.is_some(),
-            "cycle {i}: the lock was still held by our own release"
-        );
-        drop(guard);
-    }
+    try_acquire_after_drop(&LockManager::new(MemoryBackend::new())).await;
 }
 
 /// A holder looping `acquire(); drop()` does not keep the lock from a waiter in another
@@ -120,4 +115,31 @@ async fn a_holder_that_drops_and_acquires_again_yields_to_a_waiter() {
         "the waiter got the lock only after {cycles} of the holder's cycles"
     );
     drop(got);
+}
+
+/// The wait for a release in flight is only an ordering: a release that cannot run (its
+/// runtime is not being polled) holds the next attempt up for a moment, not for ever.
+#[test]
+fn a_release_that_cannot_run_does_not_hold_the_next_attempt_forever() {
+    let locks = LockManager::new(MemoryBackend::new());
+    let idle = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let guard = idle
+        .block_on(locks.lock("stuck").acquire())
+        .expect("acquire");
+    // The release is spawned on `idle`, which nothing polls from here on.
+    drop(guard);
+    let other = tokio::runtime::Runtime::new().expect("runtime");
+    other.block_on(async {
+        let lock = locks.lock("stuck");
+        let attempt = tokio::time::timeout(Duration::from_secs(5), lock.try_acquire()).await;
+        let outcome = attempt.expect("try_acquire waited for a release that cannot run");
+        assert!(
+            outcome.expect("try_acquire").is_none(),
+            "the lease is still there"
+        );
+    });
+    drop(idle);
 }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redlease::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, Lease, NodeTerms, Release, Subscription,
+    Acquire, Attempt, Backend, Capabilities, Claim, Extended, Lease, NodeTerms, Release,
+    Subscription,
 };
 use redlease::{LeaseKey, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend};
 use support::RedisServer;
@@ -116,13 +117,17 @@ async fn watchdog_restarts_after_going_idle() {
 }
 
 /// A MemoryBackend whose next `extend` applies at once but holds its reply back until the
-/// test lets it go: an extension confirmed after a later one.
+/// test lets it go: an extension confirmed after a later one. With `fail_extends`, every
+/// extension applies and then reports a failure (its answer lost); with `grant_delay`, every
+/// acquire's answer comes back that much later.
 #[derive(Clone, Debug, Default)]
 struct SlowReply {
     inner: MemoryBackend,
     hold_next: Arc<AtomicBool>,
     held: Arc<tokio::sync::Notify>,
     release: Arc<tokio::sync::Notify>,
+    fail_extends: Arc<AtomicBool>,
+    grant_delay: Duration,
 }
 
 #[async_trait::async_trait]
@@ -137,7 +142,9 @@ impl Backend for SlowReply {
         attempt: Attempt,
         terms: NodeTerms,
     ) -> redlease::Result<Acquire> {
-        self.inner.acquire(claim, attempt, terms).await
+        let outcome = self.inner.acquire(claim, attempt, terms).await;
+        tokio::time::sleep(self.grant_delay).await;
+        outcome
     }
 
     async fn extend(
@@ -146,6 +153,12 @@ impl Backend for SlowReply {
         terms: NodeTerms,
     ) -> redlease::Result<Vec<redlease::backend::Extended>> {
         let reply = self.inner.extend(leases, terms).await;
+        if self.fail_extends.load(Ordering::SeqCst) {
+            return Ok(leases
+                .iter()
+                .map(|_| Extended::Failed(redlease::Error::backend("answer lost")))
+                .collect());
+        }
         if self.hold_next.swap(false, Ordering::SeqCst) {
             self.held.notify_one();
             self.release.notified().await;
@@ -198,6 +211,49 @@ async fn an_older_confirmation_never_moves_the_deadline_past_a_newer_one() {
         g.valid_until() <= shortened + Duration::from_millis(200),
         "deadline moved to {:?} after a 200 ms extension",
         g.valid_until() - Instant::now()
+    );
+}
+
+/// `extend` to a shorter TTL whose answer is lost (it may have run): the guard's deadline
+/// comes forward to where that extension would leave the lease, instead of keeping the
+/// longer one the store may no longer honour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_shorter_extension_brings_the_deadline_forward() {
+    let backend = SlowReply::default();
+    let opts = LockOptions::new().ttl(Duration::from_secs(5));
+    let locks = LockManager::with_options(backend.clone(), opts).unwrap();
+    let g = locks.lock("shorter").acquire().await.unwrap();
+    backend.fail_extends.store(true, Ordering::SeqCst);
+    let sent = Instant::now();
+    assert!(g.extend(Duration::from_millis(200)).await.is_err());
+    assert!(
+        g.valid_until() <= sent + Duration::from_millis(200),
+        "the deadline stayed {:?} away after an unanswered 200 ms extension",
+        g.valid_until().saturating_duration_since(sent)
+    );
+}
+
+/// A grant whose answer comes back after the lease's validity (the store paused between the
+/// grant and its reply) is never handed out as a guard that is lost from the start: it is
+/// given back, `try_acquire` says it did not get the lock, and the lock is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_comes_back_too_late_is_given_back() {
+    let backend = SlowReply {
+        grant_delay: Duration::from_millis(150),
+        ..SlowReply::default()
+    };
+    let opts = LockOptions::new().ttl(Duration::from_millis(100));
+    let locks = LockManager::with_options(backend.clone(), opts).unwrap();
+    let lock = locks.lock("late");
+    assert!(lock.try_acquire().await.unwrap().is_none());
+    match lock.acquire_timeout(Duration::from_millis(600)).await {
+        Err(redlease::Error::Timeout { .. }) => {}
+        other => panic!("every grant came back late: {other:?}"),
+    }
+    let info = backend.inner.inspect(lock.key()).await.unwrap();
+    assert!(
+        info.as_ref().is_none_or(|i| !i.held),
+        "a late grant was left held: {info:?}"
     );
 }
 

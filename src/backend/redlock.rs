@@ -22,8 +22,8 @@ use async_trait::async_trait;
 use futures::future;
 
 use crate::backend::{
-    not_sent, short_debug, Acquire, Attempt, Backend, Capabilities, Claim, Extended, Grant, Lease,
-    NodeTerms, Release, Subscription,
+    not_sent, refused, same_error, short_debug, Acquire, Attempt, Backend, Capabilities, Claim,
+    Extended, Grant, Lease, NodeTerms, Release, Subscription,
 };
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
@@ -282,6 +282,10 @@ enum Round {
     Held(Option<Duration>),
     /// This client and another split the nodes between them: both release and retry.
     Split(Option<Duration>),
+    /// So many nodes answered with an error that will not mend by trying again (an ACL, a
+    /// key of the wrong type, a server that may evict keys) that no majority can grant: one
+    /// of those errors.
+    Refused(Error),
     /// Too few nodes answered or counted; `warming` is set when restarted nodes would make
     /// the majority once they count, with the time until then.
     Unavailable {
@@ -301,6 +305,8 @@ struct Votes {
     held: usize,
     warming: usize,
     failed: usize,
+    /// Failed with an error that trying again will not mend (see `backend::refused`).
+    refused_for_good: usize,
 }
 
 impl Votes {
@@ -318,7 +324,10 @@ impl Votes {
                 }
                 Ok(Acquire::Held { .. }) => v.held += 1,
                 Ok(Acquire::Warming { .. }) => v.warming += 1,
-                Err(_) => v.failed += 1,
+                Err(e) => {
+                    v.failed += 1;
+                    v.refused_for_good += usize::from(refused(e));
+                }
             }
         }
         v.agreeing = leases.iter().map(|(_, n)| *n).max().unwrap_or(0);
@@ -404,10 +413,6 @@ impl Redlock {
     /// The node terms for leases of at most `longest_ttl`; refuses a TTL above `max_lease`,
     /// which other clients rely on to know when a restarted node may count again.
     fn terms(&self, longest_ttl: Duration) -> Result<NodeTerms> {
-        let terms = NodeTerms::new().fail_fast(true);
-        if !self.options.restart_guard {
-            return Ok(terms);
-        }
         let max = self.options.max_lease;
         if longest_ttl > max {
             return Err(Error::invalid(format!(
@@ -415,6 +420,10 @@ impl Redlock {
                  (RedlockOptions::max_lease, default 60 s; raise it on every client): \
                  restarted nodes would count again while such a lease may still live"
             )));
+        }
+        let terms = NodeTerms::new().fail_fast(true);
+        if !self.options.restart_guard {
+            return Ok(terms);
         }
         Ok(terms.min_uptime(self.options.quarantine()))
     }
@@ -578,6 +587,15 @@ impl Redlock {
         if let Some(grant) = outcome {
             return Round::Acquired(grant);
         }
+        if votes.refused_for_good > n - q {
+            let first = replies.iter().flatten().find_map(|r| match r {
+                Err(e) if refused(e) => Some(same_error(e)),
+                _ => None,
+            });
+            if let Some(e) = first {
+                return Round::Refused(e);
+            }
+        }
         if votes.held > 0 && votes.granted > 0 {
             Round::Split(held)
         } else if votes.held > 0 {
@@ -614,6 +632,7 @@ impl Redlock {
             match round().await {
                 Round::Acquired(grant) => return Ok(Acquire::Granted(grant)),
                 Round::Held(remaining) => return Ok(held(remaining)),
+                Round::Refused(e) => return Err(e),
                 // Both contenders took back their part: try again after a random delay, so
                 // that one of them gets there first.
                 Round::Split(remaining) => split = Some(remaining),

@@ -10,7 +10,7 @@ use fred::types::{Key, Value};
 use super::batch;
 use super::keys::{fence_ttl, ms, part, Part};
 use super::RedisBackend;
-use crate::backend::{clock_drift, Acquire, Attempt, Claim, Grant, NodeTerms, NotSent};
+use crate::backend::{clock_drift, Acquire, Attempt, Claim, Grant, NodeTerms, NotSent, Refused};
 use crate::error::{Error, Result};
 use crate::token::{LeaseKey, Owner, Token};
 
@@ -455,11 +455,11 @@ fn pairs(reply: Vec<Value>, ops: &[Op]) -> Result<Vec<Outcome>> {
 
 /// The error of one operation's own commands, as its script reported it.
 fn failed(op: &Op, text: &Value) -> Error {
-    Error::backend(format!(
+    Error::backend(Refused(format!(
         "{}: {}",
         op.key(),
         text.as_string().unwrap_or_else(|| format!("{text:?}"))
-    ))
+    )))
 }
 
 /// Reentrant holds must be [`Token::hold`]s: the lease token of a reign is its first hold,

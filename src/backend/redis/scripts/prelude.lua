@@ -33,3 +33,20 @@ local function holder(key)
   end
   return v
 end
+
+-- Hands a free lock to the fair queue's head (see fair_acquire.lua): evicts the waiters whose
+-- deadline passed (server ms `now_ms`), then publishes the head's token on `handoff` (pcall:
+-- a message an ACL refuses is dropped; the head finds the lock by its re-check).
+local function wake_head(queue, timeouts, handoff, now_ms)
+  local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now_ms)
+  if #dead > 0 then
+    for _, d in ipairs(dead) do
+      redis.call('LREM', queue, 1, d)
+    end
+    redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now_ms)
+  end
+  local head = redis.call('LINDEX', queue, 0)
+  if head then
+    redis.pcall('PUBLISH', handoff, head)
+  end
+end

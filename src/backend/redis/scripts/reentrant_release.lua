@@ -50,18 +50,7 @@ if current and redis.call('HGET', holds, 'token') == current
         redis.pcall('PUBLISH', channel, '1')
       end
       if seen[2] and tonumber(seen[2]) > now() and redis.call('LLEN', queue) > 0 then
-        -- Hand the free lock to the fair queue's head, skipping waiters that died.
-        local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
-        if #dead > 0 then
-          for _, d in ipairs(dead) do
-            redis.call('LREM', queue, 1, d)
-          end
-          redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now())
-        end
-        local head = redis.call('LINDEX', queue, 0)
-        if head then
-          redis.pcall('PUBLISH', handoff, head)
-        end
+        wake_head(queue, timeouts, handoff, now())
       end
     end)
     return {1, 0}

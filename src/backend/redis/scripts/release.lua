@@ -81,18 +81,7 @@ local function release(i)
       end
     end
     if wake and redis.call('LLEN', queue) > 0 and redis.call('EXISTS', lease) == 0 then
-      -- Hand the free lock to the queue's head, skipping waiters that died.
-      local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now())
-      if #dead > 0 then
-        for _, d in ipairs(dead) do
-          redis.call('LREM', queue, 1, d)
-        end
-        redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now())
-      end
-      local head = redis.call('LINDEX', queue, 0)
-      if head then
-        redis.pcall('PUBLISH', handoff, head)
-      end
+      wake_head(queue, timeouts, handoff, now())
     end
   end)
   if released then
