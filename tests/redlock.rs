@@ -762,6 +762,44 @@ async fn a_restarted_node_counts_for_no_client_whatever_its_ttl() {
     a_guard.forget();
 }
 
+/// The restart guard reads the uptime cheaply from LASTSAVE (the later of the last save and
+/// the start) and falls back to INFO when that is too recent. A node restarted with its data
+/// (an RDB file) must not pass for an old one: it is refused for the quarantine. A node up
+/// long enough that has just saved must still count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_guard_is_not_fooled_by_a_restored_save_nor_stopped_by_a_fresh_one() {
+    let mut servers: Vec<RedisServer> = (0..3)
+        .map(|_| RedisServer::start_with(&["--save", ""]))
+        .collect();
+    let quarantine = secs(2);
+    let opts = RedlockOptions::new()
+        .node_timeout(NODE_TIMEOUT)
+        .retries(0)
+        .max_lease(quarantine)
+        .restart_quarantine(quarantine);
+    wait_uptime(&servers, 2).await;
+    let a = manager(&servers, LockOptions::new().ttl(secs(1)), opts).await;
+    let lock = a.lock("lastsave");
+    // Just saved, up for long enough: counts (INFO says so when LASTSAVE cannot).
+    for srv in &servers {
+        assert!(srv.cmd(&["SAVE"]).is_ok());
+    }
+    let g = within("try_acquire", secs(5), lock.try_acquire())
+        .await
+        .expect("attempt")
+        .expect("nodes up for the quarantine count, however recent their last save");
+    g.release().await.expect("release");
+    // Two nodes restart with their RDB files: they are new servers for the quarantine.
+    for srv in &mut servers[..2] {
+        assert!(srv.cmd(&["SAVE"]).is_ok());
+        srv.restart_keeping_data();
+    }
+    match within("try_acquire", secs(5), lock.try_acquire()).await {
+        Err(Error::QuorumNotReached { .. }) => {}
+        other => panic!("restarted nodes counted at once: {other:?}"),
+    }
+}
+
 /// The same with the restart guard off: B gets the lock at once while A's guard holds, so
 /// the test above can fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -108,7 +108,7 @@ impl Scripts {
             fence: lua(include_str!("redis/scripts/fence.lua")),
             fair_acquire: leases!("fair_acquire.lua"),
             inspect: lua(include_str!("redis/scripts/inspect.lua")),
-            reentrant_acquire: lua(include_str!("redis/scripts/reentrant_acquire.lua")),
+            reentrant_acquire: leases!("reentrant_acquire.lua"),
             reentrant_release: leases!("reentrant_release.lua"),
             reentrant_extend: leases!("reentrant_extend.lua"),
             fenced_set: lua(include_str!("redis/scripts/fenced_set.lua")),

@@ -27,8 +27,7 @@
 -- lease's plus an hour, a release to an hour (so a cache or job key used once, or a holder
 -- that crashed, does not leave it forever); the clock floor keeps tokens increasing after it
 -- is gone.
--- Uptime comes from INFO at one-second resolution (and Redis derives it from whole
--- seconds of wall-clock time): one second is taken off, against the server.
+-- Uptime: see uptime_ms in prelude.lua (read once per call, only by quorum members).
 -- A grant costs TIME once per call, then HMGET, SET, HSET and PEXPIRE per lease.
 local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -40,8 +39,7 @@ local function grant(i)
   local floor, min_uptime = tonumber(ARGV[8 * i + 5]), tonumber(ARGV[8 * i + 6])
   local label, fence_ttl = ARGV[8 * i + 7], ARGV[8 * i + 8]
   if min_uptime > 0 and not uptime then
-    local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
-    uptime = 1000 * math.max((s or 0) - 1, 0)
+    uptime = uptime_ms(min_uptime, tonumber(now[1]))
   end
   local code, value
   if min_uptime > 0 and uptime < min_uptime then

@@ -1,7 +1,7 @@
 -- Extend many leases at once: each key's TTL is set only if it still holds that token.
 -- ARGV[1] minimum uptime (ms; 0 for none): a quorum member up for less than that (it may
 -- have restarted empty) extends nothing. Uptime is rounded down to whole seconds, less one
--- (see acquire.lua).
+-- (see uptime_ms in prelude.lua).
 -- ARGV[2] n, the number of leases; per lease i (1-based): ARGV[3i], ARGV[3i+1], ARGV[3i+2]:
 --   its token, its ttl (ms), and the index in KEYS of its fence hash when this extension
 --   also renews the hash's hour past the lease (0 when not: the client renews it now and
@@ -13,8 +13,7 @@
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
-  local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
-  counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
+  counted = uptime_ms(min_uptime) >= min_uptime
 end
 local function extend(i)
   -- (Strings as given: a Lua number passed to Redis is formatted as a double, which costs.)

@@ -50,3 +50,19 @@ local function wake_head(queue, timeouts, handoff, now_ms)
     redis.pcall('PUBLISH', handoff, head)
   end
 end
+
+-- How long this server has been up, in ms, as far as the restart guard needs to know: whether
+-- it is at least `min_ms`. `now_s`: the server's clock in whole seconds, if the caller read it
+-- (else read here). LASTSAVE is the later of the last save and the start, so now - LASTSAVE
+-- never exceeds the uptime, and it answers most calls for the price of a trivial command;
+-- when it falls short (a recent save, or a recent start), INFO tells. Both count whole
+-- seconds of wall-clock time: one second is taken off, against the server.
+local function uptime_ms(min_ms, now_s)
+  now_s = now_s or tonumber(redis.call('TIME')[1])
+  local since_save = 1000 * (now_s - tonumber(redis.call('LASTSAVE')) - 1)
+  if since_save >= min_ms then
+    return since_save
+  end
+  local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
+  return 1000 * math.max((s or 0) - 1, 0)
+end

@@ -22,8 +22,7 @@ local owner, hold, ttl, flag, arriving =
 local floor, min_uptime = tonumber(ARGV[6]), tonumber(ARGV[7])
 local label = ARGV[8] or ''
 if min_uptime > 0 then
-  local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
-  local up = 1000 * math.max((s or 0) - 1, 0)
+  local up = uptime_ms(min_uptime)
   if up < min_uptime then
     return {2, min_uptime - up}
   end

@@ -10,8 +10,7 @@
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
-  local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
-  counted = 1000 * math.max((s or 0) - 1, 0) >= min_uptime
+  counted = uptime_ms(min_uptime) >= min_uptime
 end
 local function extend(i)
   local lease, fence, owners, holds = KEYS[4 * i - 3], KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i]
