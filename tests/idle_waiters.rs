@@ -15,6 +15,19 @@ async fn manager(srv: &RedisServer, ttl: Duration) -> LockManager {
     LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options")
 }
 
+/// Waits until the first waiter (spawned when the server had run `scripts` script calls) has
+/// made its first attempt, subscribed, and made the attempt after it: it pauses, re-checking
+/// for the others, from now on.
+async fn first_waiter_pauses(srv: &RedisServer, scripts: u64) {
+    assert!(
+        wait_for_async(Duration::from_secs(5), || srv.command_calls("subscribe")
+            >= 1
+            && srv.script_calls() >= scripts + 2)
+        .await,
+        "the first waiter is waiting"
+    );
+}
+
 /// 2,000 tasks wait on one held lock: over 3 s the server runs a few dozen commands (the
 /// holder's extensions and one shared re-check a second), not one re-check per waiter and
 /// second (about 6,000 attempts and 30,000 commands before). When the holder lets go, every
@@ -85,15 +98,7 @@ async fn a_rechecker_that_leaves_hands_its_turn_on() {
         let lock = waiters.lock("handover");
         async move { lock.acquire_timeout(Duration::from_millis(300)).await }
     });
-    // Its first attempt, its subscription, and the attempt after it: it pauses (re-checking
-    // for the others) from now on.
-    assert!(
-        wait_for_async(Duration::from_secs(5), || srv.command_calls("subscribe")
-            >= 1
-            && srv.script_calls() >= scripts + 2)
-        .await,
-        "the first waiter is waiting"
-    );
+    first_waiter_pauses(&srv, scripts).await;
     let second = tokio::spawn({
         let lock = waiters.lock("handover");
         async move { lock.acquire_timeout(Duration::from_secs(10)).await }
@@ -128,13 +133,7 @@ async fn a_handover_received_by_a_waiter_that_leaves_is_passed_on() {
         let lock = waiters.lock("passed-on");
         async move { lock.acquire_timeout(Duration::from_millis(400)).await }
     });
-    assert!(
-        wait_for_async(Duration::from_secs(5), || srv.command_calls("subscribe")
-            >= 1
-            && srv.script_calls() >= scripts + 2)
-        .await,
-        "the first waiter is waiting"
-    );
+    first_waiter_pauses(&srv, scripts).await;
     // Two more waiters: each crashes holding the lock once it gets it, so only a re-check
     // (never a release) lets the other one in.
     let crash_holding = || {
