@@ -72,14 +72,24 @@ impl Drop for PendingClaim {
         // waits for this release instead of racing it.
         let releasing = Releasing::start(&backend, &claim.key);
         self.rt.spawn(async move {
-            let _releasing = releasing;
             let confirmed = lease.is_some();
             let how = match &lease {
                 Some(lease) => Release::Confirmed { lease },
                 None => Release::Abandon,
             };
             let key = &claim.key;
-            match (*backend).release(&claim, how).await {
+            let mut release = std::pin::pin!((*backend).release(&claim, how));
+            // The first poll hands the release to the store's connection (the crate's stores
+            // do): an acquire of this key sent after that follows it there, in order, so it
+            // need not wait for the answer. (A store that sends later is only raced: the
+            // acquire then finds the lease held and waits for its release.)
+            let first = futures::poll!(release.as_mut());
+            drop(releasing);
+            let outcome = match first {
+                Poll::Ready(outcome) => outcome,
+                Poll::Pending => release.await,
+            };
+            match outcome {
                 Ok(left) => {
                     if confirmed {
                         crate::telemetry::release(if left.is_some() { "released" } else { "not_held" });
@@ -97,10 +107,11 @@ impl Drop for PendingClaim {
     }
 }
 
-/// Background releases (and abandons) not yet answered, per store and key, in this process.
-/// An acquire of the same key on the same store waits for them before its attempt
-/// ([`Releasing::wait`]): `drop(guard); lock.acquire()` is then ordered after the release,
-/// with no attempt wasted on the lease being released, no subscription and no wake-up.
+/// Background releases (and abandons) not yet handed to the store, per store and key, in this
+/// process. An acquire of the same key on the same store waits for them before its attempt
+/// ([`Releasing::wait`]): `drop(guard); lock.acquire()` is then sent after the release, on the
+/// same connection, with no attempt wasted on the lease being released, no subscription and
+/// no wake-up.
 pub(crate) struct Releasing {
     /// The store's address and the key.
     at: (usize, LeaseKey),

@@ -55,7 +55,8 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_poisoned_lease_key_loses_only_its_own_lease() {
     let srv = RedisServer::start();
-    let ttl = Duration::from_millis(400);
+    // Extended every 500 ms: room for a slow round on a loaded machine.
+    let ttl = Duration::from_millis(1500);
     let locks = manager(&srv.url(), ttl).await;
     let mut guards: Vec<LockGuard> = Vec::new();
     for i in 0..10 {
@@ -67,11 +68,11 @@ async fn one_poisoned_lease_key_loses_only_its_own_lease() {
     tokio::time::timeout(Duration::from_secs(5), guards[3].lost())
         .await
         .expect("the poisoned lease is found lost");
-    // Rounds enough to cover several TTLs: a failed round would have lost every lease by now.
+    // Rounds enough to cover two TTLs: a failed round would have lost every lease by now.
     let rounds = locks.watchdog_stats().rounds;
     assert!(
         wait_for_async(Duration::from_secs(10), || locks.watchdog_stats().rounds
-            >= rounds + 8)
+            >= rounds + 6)
         .await,
         "the watchdog kept going"
     );
