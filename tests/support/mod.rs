@@ -13,10 +13,12 @@
 mod checker;
 mod plain;
 mod server;
+mod wait;
 
 pub use checker::{Checker, Section};
 pub use plain::PlainOnly;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
+pub use wait::wait_for_interval;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -34,25 +36,6 @@ use std::time::{Duration, Instant};
 /// use [`wait_for_async`] there (or a multi-thread runtime).
 pub fn wait_for(timeout: Duration, f: impl FnMut() -> bool) -> bool {
     wait_for_interval(timeout, Duration::from_millis(2), f)
-}
-
-/// [`wait_for`] with a custom poll interval.
-pub fn wait_for_interval(
-    timeout: Duration,
-    interval: Duration,
-    mut f: impl FnMut() -> bool,
-) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        std::thread::sleep(interval.min(deadline - now));
-    }
 }
 
 /// Async version of [`wait_for`]: same contract, but yields to the executor

@@ -33,13 +33,7 @@ local function attempt(i)
     -- A late copy of an attempt whose waiter gave up and left: never grant or queue it.
     code, value = 0, redis.call('PTTL', lease)
   else
-    local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now)
-    if #dead > 0 then
-      for _, d in ipairs(dead) do
-        redis.call('LREM', queue, 1, d)
-      end
-      redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now)
-    end
+    evict_dead(queue, timeouts, now)
     local head = redis.call('LINDEX', queue, 0)
     local free = redis.call('EXISTS', lease) == 0
     if free and (not head or head == token) then

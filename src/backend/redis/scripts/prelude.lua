@@ -34,10 +34,9 @@ local function holder(key)
   return v
 end
 
--- Hands a free lock to the fair queue's head (see fair_acquire.lua): evicts the waiters whose
--- deadline passed (server ms `now_ms`), then publishes the head's token on `handoff` (pcall:
--- a message an ACL refuses is dropped; the head finds the lock by its re-check).
-local function wake_head(queue, timeouts, handoff, now_ms)
+-- Takes the fair queue's waiters whose deadline passed (server ms `now_ms`) out of it (see
+-- fair_acquire.lua): one ZRANGEBYSCORE when nobody died.
+local function evict_dead(queue, timeouts, now_ms)
   local dead = redis.call('ZRANGEBYSCORE', timeouts, '-inf', now_ms)
   if #dead > 0 then
     for _, d in ipairs(dead) do
@@ -45,6 +44,13 @@ local function wake_head(queue, timeouts, handoff, now_ms)
     end
     redis.call('ZREMRANGEBYSCORE', timeouts, '-inf', now_ms)
   end
+end
+
+-- Hands a free lock to the fair queue's head: evicts the waiters whose deadline passed, then
+-- publishes the head's token on `handoff` (pcall: a message an ACL refuses is dropped; the
+-- head finds the lock by its re-check).
+local function wake_head(queue, timeouts, handoff, now_ms)
+  evict_dead(queue, timeouts, now_ms)
   local head = redis.call('LINDEX', queue, 0)
   if head then
     redis.pcall('PUBLISH', handoff, head)
