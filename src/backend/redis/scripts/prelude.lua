@@ -72,3 +72,19 @@ local function uptime_ms(min_ms, now_s)
   local s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%-?%d+)'))
   return 1000 * math.max((s or 0) - 1, 0)
 end
+
+-- After a lease's deletion: remembers the released token in the fence hash (a release re-sent
+-- after a reconnect still says "ours"), drops the holder's label, gives the hash an hour, and
+-- wakes plain waiters by a message on `channel` (pcall: where the user's ACL refuses the
+-- channel, the message is dropped; waiters find out by their fallback re-check). `now()`
+-- gives the server's ms (read only when a flag is there). Returns whether the fair queue may
+-- hold waiters to hand the lock to.
+local function after_release(fence, token, channel, now)
+  local seen = redis.call('HMGET', fence, 'w', 'q')
+  redis.call('HSET', fence, 'r', token, 'h', '')
+  redis.call('PEXPIRE', fence, '3600000')
+  if seen[1] and tonumber(seen[1]) > now() then
+    redis.pcall('PUBLISH', channel, '1')
+  end
+  return seen[2] ~= false and tonumber(seen[2]) > now()
+end

@@ -41,15 +41,7 @@ if current and redis.call('HGET', holds, 'token') == current
     redis.call('DEL', lease, owners, holds)
     -- Released, whatever fails after this (a fence hash of another type, say).
     pcall(function()
-      local seen = redis.call('HMGET', fence, 'w', 'q')
-      redis.call('HSET', fence, 'r', hold, 'h', '')
-      redis.call('PEXPIRE', fence, '3600000')
-      if seen[1] and tonumber(seen[1]) > now() then
-        -- pcall: where the user's ACL refuses the channel, the message is dropped and the
-        -- script goes on (waiters then find out by their fallback re-check).
-        redis.pcall('PUBLISH', channel, '1')
-      end
-      if seen[2] and tonumber(seen[2]) > now() and redis.call('LLEN', queue) > 0 then
+      if after_release(fence, hold, channel, now) and redis.call('LLEN', queue) > 0 then
         wake_head(queue, timeouts, handoff, now())
       end
     end)

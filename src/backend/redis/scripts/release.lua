@@ -51,18 +51,7 @@ local function release(i)
       redis.call('DEL', lease)
       -- Released, whatever fails after this (a fence hash of another type, say).
       released = 1
-      local seen = redis.call('HMGET', fence, 'w', 'q')
-      -- Remember the released token, so a release re-sent after a reconnect still says "ours";
-      -- the holder's label goes with the lease.
-      redis.call('HSET', fence, 'r', token, 'h', '')
-      redis.call('PEXPIRE', fence, '3600000')
-      -- (The clock is read only when one of the two is there.)
-      if seen[1] and tonumber(seen[1]) > now() then
-        -- pcall: where the user's ACL refuses the channel, the message is dropped and the
-        -- script goes on (waiters then find out by their fallback re-check).
-        redis.pcall('PUBLISH', channel, '1')
-      end
-      if seen[2] and tonumber(seen[2]) > now() then
+      if after_release(fence, token, channel, now) then
         wake = true
       end
     elseif redis.call('HGET', fence, 'r') == token then
