@@ -110,7 +110,7 @@ impl Claim {
 
 /// What an acquire attempt is part of.
 ///
-/// Waiters register with the store (on Redis a deadline in the lock's fence hash, so the
+/// Waiters register with the store (on Redis a deadline in the lock's record, so the
 /// release knows to publish; fair waiters stand in the queue). A waiting acquire's first
 /// attempt yields to waiters already registered: it does not take the lock out from under
 /// them. Its later attempts compete as a waiter. This keeps a holder that releases and

@@ -8,7 +8,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use redlease::{LockManager, LockOptions, RedisBackend, RetryPolicy};
-use support::{wait_for_async, RedisServer};
+use support::{field, wait_for_async, RedisServer};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
@@ -86,11 +86,8 @@ async fn hand_over(srv: &RedisServer, backend: RedisBackend) {
         tokio::spawn(async move { lock.acquire_timeout(SOON).await })
     };
     // The waiter has asked the server for a release message (the release then PUBLISHes).
-    let fence = lock.key().derived("fence");
-    let registered = wait_for_async(SOON, || {
-        srv.cmd(&["HEXISTS", &fence, "w"]).as_int() == Some(1)
-    })
-    .await;
+    let key = lock.key().as_str().to_owned();
+    let registered = wait_for_async(SOON, || field(srv, &key, "w").is_some()).await;
     assert!(registered, "the waiter registered");
     held.release().await.expect("the release works");
     let granted = tokio::time::timeout(SOON, waiter).await;

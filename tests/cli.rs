@@ -15,7 +15,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use redlease::{LockManager, LockOptions, RedisBackend};
-use support::{wait_for, RedisServer};
+use support::{held, wait_for, RedisServer};
 
 const EXIT_CONFLICT: i32 = 1;
 const EXIT_USAGE: i32 = 2;
@@ -274,7 +274,7 @@ fn sigterm_to_the_tool_is_forwarded_to_the_command() {
     // The command handled it and exited 42; the tool passes that on and releases.
     assert_eq!(out.status.code(), Some(42), "{}", stderr(&out));
     assert!(read(&marker).contains("TERM"));
-    assert_eq!(srv.cmd(&["EXISTS", "redlease:{fwd}"]).as_int(), Some(0));
+    assert!(!held(&srv, "redlease:{fwd}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,14 +297,14 @@ async fn inspect_and_force_release_print_what_they_see_and_delete() {
     assert!(text.contains(&format!("fencing token: {token}")), "{text}");
     assert!(text.contains("key: redlease:{nightly}"), "{text}");
 
-    // Without --force: refused, nothing deleted.
+    // Without --force: refused, nothing released.
     let cmd = redlease(&srv, &["release", "nightly"]);
     let out = tokio::task::spawn_blocking(move || output(cmd))
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(EXIT_USAGE));
     assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
-    assert_eq!(srv.cmd(&["EXISTS", "redlease:{nightly}"]).as_int(), Some(1));
+    assert!(held(&srv, "redlease:{nightly}"));
 
     let cmd = redlease(&srv, &["release", "nightly", "--force"]);
     let out = tokio::task::spawn_blocking(move || output(cmd))
@@ -312,9 +312,9 @@ async fn inspect_and_force_release_print_what_they_see_and_delete() {
         .unwrap();
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    assert!(text.contains("deleted redlease:{nightly}"), "{text}");
+    assert!(text.contains("released redlease:{nightly}"), "{text}");
     assert!(text.contains("holder: batch-7"), "{text}");
-    assert_eq!(srv.cmd(&["EXISTS", "redlease:{nightly}"]).as_int(), Some(0));
+    assert!(!held(&srv, "redlease:{nightly}"));
     // The holder finds out: its lease is gone.
     assert!(matches!(
         guard.release().await,
@@ -326,7 +326,7 @@ async fn inspect_and_force_release_print_what_they_see_and_delete() {
         .await
         .unwrap();
     assert!(
-        stdout(&out).contains("not held: nothing deleted"),
+        stdout(&out).contains("not held: nothing released"),
         "{}",
         stdout(&out)
     );

@@ -1,6 +1,6 @@
-//! One bad key fails only its own lease: another client turning a lease key (or a lock's
-//! fence hash) into a value of another type, or an ACL refusing a step of a release, must not
-//! fail the acquires, extensions and releases batched with it.
+//! One bad key fails only its own lease: another client turning a lock's key (or a key beside
+//! it) into a value of another type, or an ACL refusing a step of a release, must not fail
+//! the acquires, extensions and releases batched with it.
 
 mod support;
 
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redlease::{Error, LockGuard, LockManager, LockOptions, RedisBackend};
-use support::{wait_for_async, RedisServer};
+use support::{field, held, server_ms, wait_for_async, RedisServer};
 use tokio::sync::Barrier;
 
 async fn manager(url: &str, ttl: Duration) -> LockManager {
@@ -16,10 +16,11 @@ async fn manager(url: &str, ttl: Duration) -> LockManager {
     LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options")
 }
 
-/// Makes `key` a hash: what another client writing the wrong thing there leaves.
+/// Makes `key` a string: what another client writing the wrong thing there leaves (a lock's
+/// record is a hash).
 fn poison(srv: &RedisServer, key: &str) {
     srv.cmd(&["DEL", key]);
-    assert_eq!(srv.cmd(&["HSET", key, "x", "y"]).as_int(), Some(1));
+    assert!(srv.cmd(&["SET", key, "not a lock"]).is_ok());
 }
 
 /// Runs `f(i)` for `i` in `0..n` at once on spawned tasks that start together (so that their
@@ -48,7 +49,7 @@ where
     out
 }
 
-/// Ten leases kept by one watchdog; one lease key becomes a hash. That lease is lost, and
+/// Ten leases kept by one watchdog; one lock's key becomes a string. That lease is lost, and
 /// only that one: the other nine are extended round after round, well past their TTL.
 /// (Before: the batched extension failed as a whole on WRONGTYPE, was retried, and all ten
 /// were lost at their deadline, their keys left to expire on the server.)
@@ -86,10 +87,7 @@ async fn one_poisoned_lease_key_loses_only_its_own_lease() {
             .key()
             .as_str()
             .to_owned();
-        assert!(
-            srv.cmd(&["GET", &key]).as_str().is_some(),
-            "lease {i}'s key expired on the server"
-        );
+        assert!(held(&srv, &key), "lease {i} ran out on the server");
     }
     let stats = locks.watchdog_stats();
     assert_eq!(stats.lost, 1, "{stats:?}");
@@ -97,7 +95,7 @@ async fn one_poisoned_lease_key_loses_only_its_own_lease() {
 }
 
 /// 200 concurrent `try_acquire`s on distinct keys through one connection (group commit),
-/// one of whose keys holds a hash: that acquire fails with an error naming its key and the
+/// one of whose keys holds a string: that acquire fails with an error naming its key and the
 /// type error, and the other 199 are granted. (Before: 40 unrelated acquires failed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_poisoned_key_fails_only_its_own_acquire_in_a_batch() {
@@ -132,10 +130,11 @@ async fn one_poisoned_key_fails_only_its_own_acquire_in_a_batch() {
     }
 }
 
-/// 200 concurrent releases through one connection: one lock's fence hash was made a string
-/// (the release script's steps after the deletion fail on it), and another lock's lease key a
-/// hash. The first release deleted its lease, so it reports success; the second finds no
-/// lease of its own there (`NotHeld`); the other 198 release as usual, and no lease is left.
+/// 200 concurrent releases through one connection: one lock's fair queue was made a string
+/// while its record says the queue may hold waiters (the release script's hand-off after the
+/// release fails on it), and another lock's key a string. The first release ended its lease,
+/// so it reports success; the second finds no lease of its own there (`NotHeld`); the other
+/// 198 release as usual, and no lease is left.
 /// (Before: 128 of 200 reported errors, most of which had released, and 13 leases stayed
 /// until their TTL.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,9 +146,12 @@ async fn one_poisoned_key_fails_only_its_own_release_in_a_batch() {
         let g = locks.lock(&format!("bad-release:{i}")).try_acquire().await;
         guards.push(Some(g.expect("acquire").expect("free")));
     }
-    let fence = format!("{}:fence", locks.lock("bad-release:50").key().as_str());
-    srv.cmd(&["DEL", &fence]);
-    assert!(srv.cmd(&["SET", &fence, "not a hash"]).is_ok());
+    let fifty = locks.lock("bad-release:50").key().as_str().to_owned();
+    let until = (server_ms(&srv) + 60_000).to_string();
+    assert_eq!(srv.cmd(&["HSET", &fifty, "q", &until]).as_int(), Some(1));
+    assert!(srv
+        .cmd(&["SET", &format!("{fifty}:timeouts"), "not a sorted set"])
+        .is_ok());
     poison(&srv, locks.lock("bad-release:150").key().as_str());
     let guards = Arc::new(std::sync::Mutex::new(guards));
     let calls_before = srv.script_calls();
@@ -166,7 +168,7 @@ async fn one_poisoned_key_fails_only_its_own_release_in_a_batch() {
     for (i, r) in results.iter().enumerate() {
         match (i, r) {
             (150, Err(Error::NotHeld)) => {}
-            (150, other) => panic!("the release of a key that holds a hash: {other:?}"),
+            (150, other) => panic!("the release of a key that holds a string: {other:?}"),
             (_, Ok(0)) => {}
             (i, other) => panic!("release {i}: {other:?}"),
         }
@@ -177,10 +179,7 @@ async fn one_poisoned_key_fails_only_its_own_release_in_a_batch() {
             .key()
             .as_str()
             .to_owned();
-        assert!(
-            srv.cmd(&["EXISTS", &key]).as_int() == Some(0),
-            "lease {i} is still held"
-        );
+        assert!(!held(&srv, &key), "lease {i} is still held");
     }
 }
 
@@ -204,13 +203,9 @@ async fn a_release_whose_publish_is_refused_still_reports_success() {
         async move { lock.acquire_timeout(Duration::from_secs(10)).await }
     });
     // The waiter has asked for a message on release.
-    let fence = format!("{}:fence", lock.key().as_str());
+    let key = lock.key().as_str().to_owned();
     assert!(
-        wait_for_async(Duration::from_secs(5), || srv
-            .cmd(&["HGET", &fence, "w"])
-            .as_str()
-            .is_some())
-        .await,
+        wait_for_async(Duration::from_secs(5), || field(&srv, &key, "w").is_some()).await,
         "the waiter registered"
     );
     assert_eq!(g.release().await.expect("release reports success"), 0);
@@ -243,7 +238,7 @@ async fn a_bad_key_on_a_redlock_majority_is_reported_not_waited_for() {
     let err = lock
         .acquire_timeout(Duration::from_secs(20))
         .await
-        .expect_err("a majority holds a hash at the key");
+        .expect_err("a majority holds a string at the key");
     assert!(
         began.elapsed() < Duration::from_secs(10),
         "waited {:?} for a quorum that cannot come",

@@ -78,9 +78,9 @@ async fn inspect_shows_holder_ttl_and_token_in_memory() {
 async fn inspect_shows_holder_ttl_and_token_on_redis() {
     let srv = RedisServer::start();
     inspect_a_plain_hold(Arc::new(redis(&srv).await)).await;
-    // The label is kept in the fence hash while held and goes with the release.
-    let fence = srv.cmd(&["HGETALL", "redlease:{report}:fence"]);
-    let fields = format!("{fence:?}");
+    // The label is kept in the lock's record while held and goes with the release.
+    let record = srv.cmd(&["HGETALL", "redlease:{report}"]);
+    let fields = format!("{record:?}");
     assert!(!fields.contains("host-a"), "{fields}");
 }
 
@@ -307,7 +307,8 @@ async fn fenced_write_refuses_a_paused_holders_late_write() {
 }
 
 /// The label leaves the store with the release itself (not just with the next holder), and
-/// the fence hash outlives the lease by an hour, and the release by an hour.
+/// the lock's record (with its fencing counter) outlives the lease by an hour; the release
+/// leaves that hour alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_label_goes_with_the_release_on_redis() {
     let srv = RedisServer::start();
@@ -317,24 +318,31 @@ async fn the_label_goes_with_the_release_on_redis() {
     )
     .unwrap();
     let guard = locks.lock("label").acquire().await.unwrap();
-    let fence = "redlease:{label}:fence";
+    let record = "redlease:{label}";
     assert_eq!(
-        srv.cmd(&["HGET", fence, "h"]).as_str().as_deref(),
+        srv.cmd(&["HGET", record, "h"]).as_str().as_deref(),
         Some("host-b:7")
     );
-    let left = srv.cmd(&["PTTL", fence]).as_int().unwrap();
+    let left = srv.cmd(&["PTTL", record]).as_int().unwrap();
     assert!(
         (3_600_000..=3_605_000).contains(&left),
         "an hour past the 5 s lease: PTTL {left}"
     );
     guard.release().await.unwrap();
-    let label = srv.cmd(&["HGET", fence, "h"]).as_str();
+    let label = srv.cmd(&["HGET", record, "h"]).as_str();
     assert!(
         label.as_deref().is_none_or(str::is_empty),
         "label gone: {label:?}"
     );
-    let left = srv.cmd(&["PTTL", fence]).as_int().unwrap();
-    assert!(left > 3_500_000 && left <= 3_600_000, "fence PTTL {left}");
+    assert!(
+        srv.cmd(&["HGET", record, "f"]).as_str().is_some(),
+        "fence kept"
+    );
+    let after = srv.cmd(&["PTTL", record]).as_int().unwrap();
+    assert!(
+        after > 3_500_000 && after <= left,
+        "record PTTL {after} after the release, {left} before"
+    );
 }
 
 /// Inspection of a real reentrant reign: the count of holds, and no label (a crashed

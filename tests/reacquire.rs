@@ -87,11 +87,9 @@ async fn a_holder_that_drops_and_acquires_again_yields_to_a_waiter() {
         async move { lock.acquire_timeout(Duration::from_secs(10)).await }
     });
     // The waiter has registered (asked for a message on release).
-    let fence = format!("{}:fence", lock.key().as_str());
+    let key = lock.key().as_str().to_owned();
     assert!(
-        support::wait_for_async(Duration::from_secs(5), || srv
-            .cmd(&["HGET", &fence, "w"])
-            .as_str()
+        support::wait_for_async(Duration::from_secs(5), || support::field(&srv, &key, "w")
             .is_some())
         .await,
         "the waiter registered"

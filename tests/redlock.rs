@@ -89,19 +89,19 @@ async fn manager(servers: &[RedisServer], lock: LockOptions, opts: RedlockOption
     LockManager::with_options(redlock_all(servers, opts).await, lock).expect("valid options")
 }
 
+/// Whether the node holds a lease at `key` now.
 fn exists(srv: &RedisServer, key: &str) -> bool {
-    srv.cmd(&["EXISTS", key]).as_int() == Some(1)
+    support::held(srv, key)
 }
 
+/// The token holding the node's lease at `key`.
 fn get(srv: &RedisServer, key: &str) -> Option<String> {
-    srv.cmd(&["GET", key]).as_str()
+    support::holder(srv, key)
 }
 
-/// The node's fence counter for a lock (`<lease key>:fence`, field `f`).
+/// The node's fence counter for a lock (the record's field `f`).
 fn fence_counter(srv: &RedisServer, lock: &Lock) -> Option<u64> {
-    let fence = lock.key().derived("fence");
-    srv.cmd(&["HGET", &fence, "f"])
-        .as_str()
+    support::field(srv, lock.key().as_str(), "f")
         .map(|s| s.parse().expect("fence counter is an integer"))
 }
 
@@ -585,9 +585,7 @@ async fn a_restarted_node_counts_only_after_max_lease_even_when_restarted_late_i
 async fn hold_on_exactly_three(servers: &[RedisServer], lock: &Lock) -> LockGuard {
     let key = lock.key().as_str().to_string();
     for srv in &servers[3..] {
-        assert!(srv
-            .cmd(&["SET", &key, "stale-holder", "PX", "60000"])
-            .is_ok());
+        support::plant(srv, &key, "stale-holder", 60_000);
     }
     let guard = within("A's attempt", secs(5), lock.try_acquire())
         .await
@@ -1097,8 +1095,7 @@ async fn fencing_tokens_increase_across_holders_restarts_and_disagreeing_nodes()
     servers[3].kill();
     servers[4].kill();
     let big = last + 10_000_000_000_000;
-    let fence_key = la.key().derived("fence");
-    let set = servers[0].cmd(&["HSET", &fence_key, "f", &big.to_string()]);
+    let set = servers[0].cmd(&["HSET", la.key().as_str(), "f", &big.to_string()]);
     assert!(set.as_int().is_some(), "HSET replied {set:?}");
     let (g, _) = acquire_when_back(&la, secs(10), true).await;
     let ahead = g.fencing_token();

@@ -162,7 +162,7 @@ impl Store {
                 && self
                     .servers()
                     .iter()
-                    .all(|srv| srv.cmd(&["EXISTS", key.as_str()]).as_int() == Some(0))
+                    .all(|srv| !support::held(srv, key.as_str()))
         })
         .await;
         assert!(expired, "the lease never expired");
@@ -275,17 +275,13 @@ async fn release_order_may_differ_from_acquire_order(store: Store) {
     store.expect_count(&key, 1).await;
     assert_eq!(g3.release().await.unwrap(), 0);
     for srv in store.servers() {
-        let gone = srv.cmd(&[
-            "EXISTS",
-            key.as_str(),
-            &key.derived("owners"),
-            &key.derived("holds"),
-        ]);
+        let gone = srv.cmd(&["EXISTS", &key.derived("owners"), &key.derived("holds")]);
         assert_eq!(
             gone.as_int(),
             Some(0),
-            "the reign's keys are deleted at zero"
+            "the reign's counts are deleted at zero"
         );
+        assert!(!support::held(srv, key.as_str()), "the lease ended at zero");
     }
     assert!(locks.lock("order").try_acquire().await.unwrap().is_some());
 }
@@ -726,7 +722,9 @@ async fn redis_layout_is_one_hash_tag_and_the_watchdog_keeps_it_whole() {
     let before = locks.watchdog_stats().extended;
     let kept = wait_for_async(SOON, || locks.watchdog_stats().extended >= before + 6).await;
     assert!(kept, "the watchdog did not extend");
-    for k in [key.as_str(), &owners, &holds] {
+    let left = support::lease_ms(srv, key.as_str());
+    assert!(left > 0 && left <= 300, "the lease's time left {left}");
+    for k in [&owners, &holds] {
         let pttl = srv.cmd(&["PTTL", k]).as_int().unwrap();
         assert!(pttl > 0 && pttl <= 300, "{k} PTTL {pttl}");
     }
@@ -734,8 +732,9 @@ async fn redis_layout_is_one_hash_tag_and_the_watchdog_keeps_it_whole() {
     assert!(!g1.is_lost() && !g2.is_lost());
     g1.release().await.unwrap();
     g2.release().await.unwrap();
-    let gone = srv.cmd(&["EXISTS", key.as_str(), &owners, &holds]);
+    let gone = srv.cmd(&["EXISTS", &owners, &holds]);
     assert_eq!(gone.as_int(), Some(0));
+    assert!(!support::held(srv, key.as_str()));
 }
 
 /// A lost lease (deleted under the holder, as a failover could) marks every guard of the
@@ -825,7 +824,7 @@ async fn holder_label_shows_while_the_reign_holds(store: Store) {
     );
     let key = lock.key().clone();
     for srv in store.servers() {
-        let label = srv.cmd(&["HGET", &key.derived("fence"), "h"]).as_str();
+        let label = support::field(srv, key.as_str(), "h");
         assert!(label.as_deref().is_none_or(str::is_empty), "{label:?}");
     }
 }
@@ -896,7 +895,9 @@ async fn extend_on_a_hold_extends_the_reign(store: Store) {
     assert!(left > Duration::from_secs(3), "ttl left {left:?}");
     // The reign's three keys were extended together.
     for srv in store.servers() {
-        for k in [key.as_str(), &key.derived("owners"), &key.derived("holds")] {
+        let left = support::lease_ms(srv, key.as_str());
+        assert!(left > 3000, "the lease's time left {left}");
+        for k in [&key.derived("owners"), &key.derived("holds")] {
             let pttl = srv.cmd(&["PTTL", k]).as_int().unwrap();
             assert!(pttl > 3000, "{k} PTTL {pttl}");
         }

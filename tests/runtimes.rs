@@ -29,7 +29,7 @@ use redlease::{
     LeaseKey, Lock, LockGuard, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend,
     RetryPolicy,
 };
-use support::{sleep_async, wait_for, wait_for_async, RedisServer, Resp};
+use support::{held, lease_ms, sleep_async, wait_for, wait_for_async, RedisServer, Resp};
 
 /// Bound for every wait on an event (a key disappearing, a waiter subscribing, ...).
 const EVENTUALLY: Duration = Duration::from_secs(5);
@@ -41,19 +41,6 @@ const EVENTUALLY: Duration = Duration::from_secs(5);
 /// Whether a tokio runtime is entered on the calling thread.
 fn in_tokio() -> bool {
     tokio::runtime::Handle::try_current().is_ok()
-}
-
-fn exists(srv: &RedisServer, key: &str) -> bool {
-    match srv.cmd(&["EXISTS", key]) {
-        Resp::Int(n) => n == 1,
-        other => panic!("EXISTS {key} replied {other:?}"),
-    }
-}
-
-fn pttl(srv: &RedisServer, key: &str) -> i64 {
-    srv.cmd(&["PTTL", key])
-        .as_int()
-        .unwrap_or_else(|| panic!("PTTL {key}: no integer reply"))
 }
 
 /// Subscribers of `channel` on the server (PUBSUB NUMSUB).
@@ -151,11 +138,12 @@ enum Store<'a> {
 }
 
 impl Store<'_> {
-    /// Whether lock `name` is held in the store. On Redis: the key exists. In memory (not
+    /// Whether lock `name` is held in the store. On Redis: its record holds a lease that has
+    /// not run out (the record itself outlives the lease by an hour). In memory (not
     /// observable from outside): `other` cannot take it (if it can, it gives it back).
     async fn held(&self, other: &LockManager, name: &str) -> bool {
         match self {
-            Store::Redis(srv) => exists(srv, &key_of(other, name)),
+            Store::Redis(srv) => held(srv, &key_of(other, name)),
             Store::Memory(_) => match other.lock(name).try_acquire().await {
                 Ok(Some(g)) => {
                     g.release().await.expect("give back a probe acquisition");
@@ -315,7 +303,7 @@ async fn smoke(store: &Store<'_>, a: &LockManager, b: &LockManager, env: Env) {
     assert!(stats.extended >= 5, "too few extensions in 1 s: {stats:?}");
     assert!(store.held(b, wd).await, "the store lost a watched lease");
     if let Store::Redis(srv) = store {
-        assert!(pttl(srv, &key_of(a, wd)) > 0);
+        assert!(lease_ms(srv, &key_of(a, wd)) > 0);
     }
     g.release()
         .await
@@ -425,14 +413,14 @@ fn futures_block_on_without_any_runtime() {
 // ---------------------------------------------------------------------------------------
 
 /// Acquires with `acquire_on` (some runtime's block_on), drops the guard on a plain
-/// `std::thread`, and waits for the key to go away.
+/// `std::thread`, and waits for the lease to be gone.
 fn drop_on_plain_thread(
     srv: &RedisServer,
     acquire_on: impl FnOnce(String) -> (LockManager, LockGuard),
 ) {
     let (locks, guard) = acquire_on(srv.url());
     let key = key_of(&locks, "moved");
-    assert!(exists(srv, &key));
+    assert!(held(srv, &key));
     let dropper = std::thread::spawn(move || {
         let no_runtime = tokio::runtime::Handle::try_current().is_err();
         drop(guard);
@@ -442,7 +430,7 @@ fn drop_on_plain_thread(
         .join()
         .expect("dropping the guard on a plain thread panicked");
     assert!(no_runtime, "the plain thread had a tokio runtime");
-    srv.wait_until(EVENTUALLY, |s| !exists(s, &key));
+    srv.wait_until(EVENTUALLY, |s| !held(s, &key));
     drop(locks);
 }
 
@@ -501,7 +489,7 @@ fn guard_dropped_after_its_runtime_shut_down_expires_by_ttl() {
         (locks, guard)
     });
     let key = key_of(&locks, "orphan");
-    assert!(exists(&srv, &key));
+    assert!(held(&srv, &key));
     assert!(!guard.is_lost());
 
     rt.shutdown_timeout(EVENTUALLY);
@@ -521,8 +509,8 @@ fn guard_dropped_after_its_runtime_shut_down_expires_by_ttl() {
         dropped.is_ok(),
         "dropping after the runtime shut down panicked"
     );
-    // Nobody could run the release: the TTL frees the key.
-    srv.wait_until(EVENTUALLY, |s| !exists(s, &key));
+    // Nobody could run the release: the lease runs out by its TTL.
+    srv.wait_until(EVENTUALLY, |s| !held(s, &key));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -587,7 +575,7 @@ fn smol_async_std_and_tokio_guards_in_one_process() {
         assert!(!g.is_lost(), "{n}: lost under its watchdog");
     }
     for k in &keys {
-        assert!(exists(&srv, k), "{k} expired under the watchdog");
+        assert!(held(&srv, k), "{k} expired under the watchdog");
     }
     for (n, locks) in names.iter().zip([&smol_locks, &astd_locks, &tokio_locks]) {
         assert!(
@@ -603,7 +591,7 @@ fn smol_async_std_and_tokio_guards_in_one_process() {
         .expect("release async-std's guard on tokio");
     smol::block_on(tokio_guard.release()).expect("release tokio's guard on smol");
     for k in &keys {
-        assert!(!exists(&srv, k), "{k} still there after its release");
+        assert!(!held(&srv, k), "{k} still held after its release");
     }
 
     // A guard taken under async-std's block_on (the rule picks smol's executor there, as
@@ -616,9 +604,9 @@ fn smol_async_std_and_tokio_guards_in_one_process() {
         (locks, guard)
     });
     let crossed = key_of(&locks, "crossed");
-    assert!(exists(&srv, &crossed));
+    assert!(held(&srv, &crossed));
     rt.block_on(async move { drop(guard) });
-    srv.wait_until(EVENTUALLY, |s| !exists(s, &crossed));
+    srv.wait_until(EVENTUALLY, |s| !held(s, &crossed));
     drop(locks);
     drop((smol_locks, astd_locks, tokio_locks));
     drop(rt);
@@ -652,7 +640,7 @@ fn watchdog_restarts_after_its_runtime_shut_down() {
         .block_on(locks.lock("first").acquire())
         .expect("acquire on the first runtime");
     first.shutdown_timeout(EVENTUALLY);
-    drop(guard); // its release cannot run any more; the TTL frees the key
+    drop(guard); // its release cannot run any more; the lease runs out by its TTL
 
     let second = runtime();
     second.block_on(async {

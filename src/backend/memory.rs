@@ -19,7 +19,7 @@ use crate::token::{LeaseKey, Owner, Token};
 /// How long an abandoned reentrant hold stays barred (as the Redis backend's tombstones).
 const BARRED: Duration = Duration::from_secs(300);
 
-/// How long the answer for a replayed reentrant release is kept (as the Redis fence hash's).
+/// How long the answer for a replayed reentrant release is kept (as the Redis record's hour).
 const ENDED_KEPT: Duration = Duration::from_secs(3600);
 
 /// Leases held in this process: for tests, and for single-process apps that want the same
@@ -116,7 +116,7 @@ impl State {
             });
             self.barred.retain(|_, until| *until > now);
             // A replayed release comes within seconds; the Redis backend keeps its answer an
-            // hour (the fence hash's `r`). Kept as long here, then dropped.
+            // hour (the record's `t` and `r`). Kept as long here, then dropped.
             self.ended
                 .retain(|_, (_, at)| now.saturating_duration_since(*at) < ENDED_KEPT);
             let leases = &self.leases;

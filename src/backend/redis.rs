@@ -92,7 +92,8 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         let lua = Script::from_lua;
-        // The lease scripts share `prelude.lua`: in a batch, one lease's failure is its own.
+        // The scripts that read the lock record share `prelude.lua` (the record's helpers;
+        // in a batch, one lease's failure is its own).
         macro_rules! leases {
             ($file:literal) => {
                 lua(concat!(
@@ -105,17 +106,17 @@ impl Scripts {
             acquire: leases!("acquire.lua"),
             extend: leases!("extend.lua"),
             release: leases!("release.lua"),
-            fence: lua(include_str!("redis/scripts/fence.lua")),
+            fence: leases!("fence.lua"),
             fair_acquire: leases!("fair_acquire.lua"),
-            inspect: lua(include_str!("redis/scripts/inspect.lua")),
+            inspect: leases!("inspect.lua"),
             reentrant_acquire: leases!("reentrant_acquire.lua"),
             reentrant_release: leases!("reentrant_release.lua"),
             reentrant_extend: leases!("reentrant_extend.lua"),
             fenced_set: lua(include_str!("redis/scripts/fenced_set.lua")),
-            cache_read: lua(include_str!("redis/scripts/cache_read.lua")),
-            cache_fill: lua(include_str!("redis/scripts/cache_fill.lua")),
-            cache_fail: lua(include_str!("redis/scripts/cache_fail.lua")),
-            force_release: lua(include_str!("redis/scripts/force_release.lua")),
+            cache_read: leases!("cache_read.lua"),
+            cache_fill: leases!("cache_fill.lua"),
+            cache_fail: leases!("cache_fail.lua"),
+            force_release: leases!("force_release.lua"),
         }
     }
 
@@ -266,12 +267,7 @@ impl Backend for RedisBackend {
     }
 
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
-        let keys: Vec<Key> = vec![
-            key.as_str().into(),
-            part(key, Part::Fence).into(),
-            part(key, Part::Timeouts).into(),
-            part(key, Part::Owners).into(),
-        ];
+        let keys: Vec<Key> = vec![key.as_str().into()];
         let reply: Vec<Value> = self
             .eval(&self.inner.scripts.inspect, keys, Vec::new())
             .await?;
@@ -282,7 +278,6 @@ impl Backend for RedisBackend {
         let pttl = int(&pttl);
         let mut info = LockInfo::new();
         info.held = pttl != -2;
-        // -1: a lease without a TTL (set by hand): held, expiry unknown.
         info.remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
         info.fencing_token = text(&fence).and_then(|f| f.parse().ok());
         info.holder_label = text(&label);
@@ -292,7 +287,7 @@ impl Backend for RedisBackend {
     }
 
     async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
-        let keys = vec![Key::from(part(key, Part::Fence))];
+        let keys = vec![Key::from(key.as_str())];
         let args = vec![Value::from(at_least.to_string())];
         self.eval::<i64>(&self.inner.scripts.fence, keys, args)
             .await

@@ -116,7 +116,7 @@ enum Command {
         /// The lock's name.
         name: String,
     },
-    /// Delete the lock NAME whoever holds it (needs --force), and print what was deleted.
+    /// End the lease on NAME whoever holds it (needs --force), and print what was released.
     Release {
         /// The lock's name.
         name: String,
@@ -343,10 +343,10 @@ async fn release(cli: &Cli, name: &str, force: bool) -> Result<u8, Fail> {
         .await
         .map_err(|e| Fail(EXIT_UNAVAILABLE, format!("Redis failed: {e}")))?;
     if !deleted {
-        println!("{name} is not held: nothing deleted");
+        println!("{name} is not held: nothing released");
         return Ok(0);
     }
-    let mut what = format!("deleted {key}");
+    let mut what = format!("released {key}");
     let reentrant = before.as_ref().is_some_and(|i| i.reentrant_count.is_some());
     if let Some(info) = before.filter(|i| i.held) {
         if let Some(label) = &info.holder_label {

@@ -5,6 +5,7 @@
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
 //! * [`PlainOnly`]: a backend that serves plain claims only.
+//! * [`holder`] / [`lease_ms`] / [`field`]: a lock's record on a test server.
 //!
 //! Each test binary uses only part of this module, hence the `allow`s below
 //! (`unreachable_pub`: the module is private to each test crate).
@@ -12,11 +13,13 @@
 
 mod checker;
 mod plain;
+mod record;
 mod server;
 mod wait;
 
 pub use checker::{Checker, Section};
 pub use plain::PlainOnly;
+pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
 pub use wait::wait_for_interval;
 

@@ -79,7 +79,6 @@ impl ValueStore for RedisValues {
         let keys = vec![
             part(key, Part::Value).into(),
             key.as_str().into(),
-            part(key, Part::Fence).into(),
             failed(key, awaited).into(),
             part(key, Part::Cooldown).into(),
         ];

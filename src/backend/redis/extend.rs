@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use fred::types::{Key, Value};
 
-use super::keys::{fence_clock, fence_due, ms, part, Part};
+use super::keys::ms;
 use super::RedisBackend;
 use crate::backend::{clock_drift, Extended, Lease, NodeTerms};
 use crate::error::{Error, Result};
@@ -22,7 +22,6 @@ impl RedisBackend {
     ) -> Result<Vec<Extended>> {
         self.check_connected(terms)?;
         let min_uptime = ms(terms.min_uptime);
-        let now = fence_clock();
         // Reentrant leases are told by their token (a reign's lease token is a hold).
         let (holds, plain): (Vec<usize>, Vec<usize>) =
             (0..leases.len()).partition(|&i| leases[i].token.is_hold());
@@ -30,24 +29,7 @@ impl RedisBackend {
             .chunks(leases, &plain)
             .into_iter()
             .map(|idx| async move {
-                let mut keys: Vec<Key> =
-                    idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
-                let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 3 + 2);
-                args.push(min_uptime.into());
-                args.push(i64::try_from(idx.len()).unwrap_or(i64::MAX).into());
-                for &i in &idx {
-                    let lease = &leases[i];
-                    args.push(lease.token.as_str().into());
-                    args.push(ms(lease.ttl).into());
-                    // The fence hash's hour is renewed now and then, not at every extension.
-                    let renew = if fence_due(lease.key.as_str(), lease.ttl, now) {
-                        keys.push(part(lease.key, Part::Fence).into());
-                        i64::try_from(keys.len()).unwrap_or(0)
-                    } else {
-                        0
-                    };
-                    args.push(renew.into());
-                }
+                let (keys, args) = lease_args(leases, &idx, min_uptime);
                 let reply: Result<Vec<Value>> =
                     self.eval(&self.inner.scripts.extend, keys, args).await;
                 (idx, reply)
@@ -56,20 +38,7 @@ impl RedisBackend {
             .chunks(leases, &holds)
             .into_iter()
             .map(|idx| async move {
-                let mut keys: Vec<Key> = Vec::with_capacity(idx.len() * 4);
-                let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
-                args.push(min_uptime.into());
-                for &i in &idx {
-                    let l = &leases[i];
-                    keys.extend([
-                        Key::from(l.key.as_str()),
-                        part(l.key, Part::Fence).into(),
-                        part(l.key, Part::Owners).into(),
-                        part(l.key, Part::Holds).into(),
-                    ]);
-                    args.push(l.token.as_str().into());
-                    args.push(ms(l.ttl).into());
-                }
+                let (keys, args) = lease_args(leases, &idx, min_uptime);
                 let reply: Result<Vec<Value>> = self
                     .eval(&self.inner.scripts.reentrant_extend, keys, args)
                     .await;
@@ -130,6 +99,19 @@ impl RedisBackend {
             })
             .collect()
     }
+}
+
+/// An extend script's keys and arguments for the leases `idx`: each lock's key; the minimum
+/// uptime, then each lease's token and TTL.
+fn lease_args(leases: &[Lease<'_>], idx: &[usize], min_uptime: i64) -> (Vec<Key>, Vec<Value>) {
+    let keys = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
+    let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
+    args.push(min_uptime.into());
+    for &i in idx {
+        args.push(leases[i].token.as_str().into());
+        args.push(ms(leases[i].ttl).into());
+    }
+    (keys, args)
 }
 
 /// One lease's entry in an extend script's reply: 1, 0, or the text of its error.

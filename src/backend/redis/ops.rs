@@ -8,7 +8,7 @@ use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 
 use super::batch;
-use super::keys::{fence_ttl, ms, part, Part};
+use super::keys::ms;
 use super::RedisBackend;
 use crate::backend::{clock_drift, Acquire, Attempt, Claim, Grant, NodeTerms, NotSent, Refused};
 use crate::error::{Error, Result};
@@ -175,8 +175,8 @@ impl RedisBackend {
 
     /// Plain attempts as one `acquire.lua` call; one `{code, value}` per attempt, in order.
     async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 3);
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 8);
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 7);
         for op in ops {
             let Op::Acquire {
                 claim,
@@ -186,12 +186,7 @@ impl RedisBackend {
             else {
                 continue;
             };
-            let key = &claim.key;
-            keys.extend([
-                Key::from(key.as_str()),
-                part(key, Part::Fence).into(),
-                part(key, Part::Abandoned).into(),
-            ]);
+            keys.push(claim.key.as_str().into());
             // The waiters flag outlives the waiter's next re-check, so a release in between
             // still publishes.
             let flag = attempt.keep_waiter().map_or(0, ms);
@@ -205,7 +200,6 @@ impl RedisBackend {
                 terms.fence_floor.to_string().into(),
                 ms(terms.min_uptime).into(),
                 claim.token.label().unwrap_or_default().into(),
-                fence_ttl(claim.ttl).into(),
             ]);
         }
         let reply: Vec<Value> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
@@ -214,29 +208,20 @@ impl RedisBackend {
 
     /// Fair attempts as one `fair_acquire.lua` call; one `{code, value}` per attempt.
     async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 5);
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 6);
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 4);
         for op in ops {
             let Op::Fair { claim, attempt } = op else {
                 continue;
             };
-            let key = &claim.key;
-            keys.extend([
-                Key::from(key.as_str()),
-                part(key, Part::Fence).into(),
-                part(key, Part::Abandoned).into(),
-                part(key, Part::Queue).into(),
-                part(key, Part::Timeouts).into(),
-            ]);
+            keys.push(claim.key.as_str().into());
             // At least 1 ms for a waiter: 0 means a single attempt.
             let expire = attempt.keep_waiter().map_or(0, |e| ms(e).max(1));
             args.extend([
                 claim.token.as_str().into(),
                 ms(claim.ttl).into(),
                 expire.into(),
-                part(key, Part::Handoff).into(),
                 claim.token.label().unwrap_or_default().into(),
-                fence_ttl(claim.ttl).into(),
             ]);
         }
         let reply: Vec<Value> = self
@@ -248,8 +233,8 @@ impl RedisBackend {
     /// Releases and abandons as one `release.lua` call; one `{1|0, 0}` (or the error of its
     /// own commands) per request.
     async fn release_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len() * 5);
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 4);
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 2);
         for op in ops {
             let Op::Release {
                 key,
@@ -259,19 +244,8 @@ impl RedisBackend {
             else {
                 continue;
             };
-            keys.extend([
-                Key::from(key.as_str()),
-                part(key, Part::Fence).into(),
-                part(key, Part::Abandoned).into(),
-                part(key, Part::Queue).into(),
-                part(key, Part::Timeouts).into(),
-            ]);
-            args.extend([
-                token.as_str().into(),
-                part(key, Part::Released).into(),
-                ms(*tombstone).into(),
-                part(key, Part::Handoff).into(),
-            ]);
+            keys.push(key.as_str().into());
+            args.extend([token.as_str().into(), ms(*tombstone).into()]);
         }
         let reply: Vec<Value> = self.eval(&self.inner.scripts.release, keys, args).await?;
         Ok(ops
@@ -314,13 +288,7 @@ impl RedisBackend {
     ) -> Result<Acquire> {
         let (key, hold) = (&claim.key, &claim.token);
         check_hold(hold)?;
-        let keys = vec![
-            Key::from(key.as_str()),
-            part(key, Part::Fence).into(),
-            part(key, Part::Owners).into(),
-            part(key, Part::Holds).into(),
-            part(key, Part::Abandoned).into(),
-        ];
+        let keys = vec![Key::from(key.as_str())];
         // As for plain attempts: the waiters flag outlives the next re-check.
         let flag = attempt.keep_waiter().map_or(0, ms);
         let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
@@ -368,23 +336,13 @@ impl RedisBackend {
     ) -> Result<Option<u32>> {
         let (key, hold) = (&claim.key, &claim.token);
         check_hold(hold)?;
-        let keys = vec![
-            Key::from(key.as_str()),
-            part(key, Part::Fence).into(),
-            part(key, Part::Owners).into(),
-            part(key, Part::Holds).into(),
-            part(key, Part::Abandoned).into(),
-            part(key, Part::Queue).into(),
-            part(key, Part::Timeouts).into(),
-        ];
+        let keys = vec![Key::from(key.as_str())];
         let tombstone = if lease.is_some() { 0 } else { ms(TOMBSTONE) };
         let args: Vec<Value> = vec![
             owner.as_str().into(),
             hold.as_str().into(),
             lease.map_or("", Token::as_str).into(),
             tombstone.into(),
-            part(key, Part::Released).into(),
-            part(key, Part::Handoff).into(),
         ];
         let reply: Vec<i64> = self
             .eval(&self.inner.scripts.reentrant_release, keys, args)
@@ -400,11 +358,11 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
-    /// Deletes the lock at `key` whoever holds it, for an operator (`redlease release
-    /// --force`): the lease, and a reentrant reign's counts; its waiters are woken (a fair
-    /// queue's head by name). The fencing counter stays, so the next holder's token is still
-    /// larger; the holder, if alive, finds its lease lost at its next extension. Returns
-    /// whether a lease was deleted.
+    /// Ends the lease on the lock at `key` whoever holds it, for an operator (`redlease
+    /// release --force`), and deletes a reentrant reign's counts; its waiters are woken (a
+    /// fair queue's head by name). The lock's record stays with its fencing counter, so the
+    /// next holder's token is still larger; the holder, if alive, finds its lease lost at its
+    /// next extension. Returns whether a lease was held.
     ///
     /// This breaks the lock's promise for its current holder: use it for a holder known to
     /// be gone whose lease is too long to wait out.
@@ -413,19 +371,9 @@ impl RedisBackend {
     ///
     /// [`Error::Backend`] if Redis fails.
     pub async fn force_release(&self, key: &LeaseKey) -> Result<bool> {
-        let keys: Vec<Key> = vec![
-            key.as_str().into(),
-            part(key, Part::Fence).into(),
-            part(key, Part::Owners).into(),
-            part(key, Part::Queue).into(),
-            part(key, Part::Holds).into(),
-        ];
-        let args: Vec<Value> = vec![
-            part(key, Part::Released).into(),
-            part(key, Part::Handoff).into(),
-        ];
+        let keys: Vec<Key> = vec![key.as_str().into()];
         let deleted: i64 = self
-            .eval(&self.inner.scripts.force_release, keys, args)
+            .eval(&self.inner.scripts.force_release, keys, Vec::<Value>::new())
             .await?;
         Ok(deleted > 0)
     }

@@ -4,9 +4,10 @@
 -- origin that keeps failing leaves at most a few short-lived keys, never a growing hash.
 -- A failed background refresh (a value is there) also sets the refresh cooldown marker, so
 -- the stale window does not start a refresh per flight while the origin is down.
--- KEYS: compute lease, this round's failure key, refresh cooldown marker
+-- KEYS: compute lock's key (its record: see acquire.lua), this round's failure key, refresh cooldown marker
 -- ARGV: token, message, how long to keep it (ms), channel, cooldown (ms; 0 for none)
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local lease = record(KEYS[1], 't', 'e')
+if not lease or holding(lease[1], lease[2], server_clock()) ~= ARGV[1] then
   return 0
 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])

@@ -1,10 +1,11 @@
 -- Write a computed value, fenced by the compute lease: only while the writer's token still
 -- holds it, so a loader that outlived its lease never overwrites a newer value.
--- KEYS: compute lease, value hash
+-- KEYS: compute lock's key (its record: see acquire.lua), value hash
 -- ARGV: token, payload, compute time (us), grace (ms), lifetime (ms: ttl + grace), channel,
 --       the writing round (the lease's fencing token)
 -- Returns 1 if written (and waiters told on the channel), 0 if the lease is not ours.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local lease = record(KEYS[1], 't', 'e')
+if not lease or holding(lease[1], lease[2], server_clock()) ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[2])

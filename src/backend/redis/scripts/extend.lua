@@ -1,35 +1,34 @@
--- Extend many leases at once: each key's TTL is set only if it still holds that token.
+-- Extend many leases at once: each lease runs for its new TTL from now, only if its record
+-- still holds that token and the lease has not run out.
 -- ARGV[1] minimum uptime (ms; 0 for none): a quorum member up for less than that (it may
--- have restarted empty) extends nothing. Uptime is rounded down to whole seconds, less one
--- (see uptime_ms in prelude.lua).
--- ARGV[2] n, the number of leases; per lease i (1-based): ARGV[3i], ARGV[3i+1], ARGV[3i+2]:
---   its token, its ttl (ms), and the index in KEYS of its fence hash when this extension
---   also renews the hash's hour past the lease (0 when not: the client renews it now and
---   then, well within the hour a grant gives it; see acquire.lua)
--- KEYS[1..n] the lease keys, then the fence hashes being renewed.
--- Returns per lease 1 (extended), 0 (not ours any more: another token, or no lease at all
--- there; or not counted), or the error's text when a command of this lease failed (see
--- prelude.lua).
+-- have restarted empty) extends nothing (see uptime_ms in prelude.lua).
+-- KEYS[i] the lock's key; ARGV[2i], ARGV[2i+1]: its token, its ttl (ms).
+-- Returns per lease 1 (extended), 0 (not ours any more: another token, run out, released, or
+-- no record at all there; or not counted), or the error's text when a command of this lease
+-- failed (see prelude.lua).
+-- Costs TIME once per call, then HMGET and HSET per lease, plus a PEXPIREAT when the record's
+-- hour is half gone (every half hour per lease kept alive).
+local now_ms = server_clock()
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
-  counted = uptime_ms(min_uptime) >= min_uptime
+  counted = uptime_ms(min_uptime, math.floor(now_ms / 1000)) >= min_uptime
 end
 local function extend(i)
-  -- (Strings as given: a Lua number passed to Redis is formatted as a double, which costs.)
-  local lease, token, ttl, fence = KEYS[i], ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
-  if counted and holder(lease) == token then
-    redis.call('PEXPIRE', lease, ttl)
-    if fence ~= '0' then
-      redis.call('PEXPIRE', KEYS[tonumber(fence)], tonumber(ttl) + 3600000)
-    end
-    return 1
+  local key, token, ttl = KEYS[i], ARGV[2 * i], tonumber(ARGV[2 * i + 1])
+  if not counted then
+    return 0
   end
-  return 0
+  local seen = record(key, 't', 'e', 'x')
+  if not seen or holding(seen[1], seen[2], now_ms) ~= token then
+    return 0
+  end
+  prolong(key, seen[3], now_ms + ttl)
+  return 1
 end
 
 local out = {}
-for i = 1, tonumber(ARGV[2]) do
+for i = 1, #KEYS do
   local code, err = each(extend, i)
   -- A failed entry is its error's text, in place of its number.
   out[i] = err or code

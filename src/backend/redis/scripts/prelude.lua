@@ -21,17 +21,120 @@ local function each(f, i)
   return -1, error_text(code)
 end
 
--- The token a lease key holds: false when the key is free, and when it holds no lease at all
--- (a value of another type, written by someone else: no lease of this client is there).
-local function holder(key)
-  local v = redis.pcall('GET', key)
-  if type(v) == 'table' and v.err then
+-- The lock record: one hash per lock, at the lock's key (fields: see keys.rs). A lease is
+-- held while its token is `t` and its expiry `e` (server ms) is ahead of the server's clock;
+-- `e` is 0 once `t` released it. The hash itself lives an hour past the lease (its expiry is
+-- `x`), so the fencing counter `f`, the last released token and the flags outlive it.
+local HOUR = 3600000
+
+-- Numbers handed to Redis as integers (a Lua number is a double: %.0f is exact up to 2^53).
+-- Formatting costs more than most commands, and the leases of one call mostly share their
+-- expiries (one clock, the same TTLs): each number is formatted once per call.
+local formatted = {}
+local function int(n)
+  local s = formatted[n]
+  if not s then
+    s = string.format('%.0f', n)
+    formatted[n] = s
+  end
+  return s
+end
+
+-- A numeric field of a record: nil when absent. One that is no number means the hash at the
+-- key was written by someone else: an error (that key's own).
+local function num(v)
+  if not v then
+    return nil
+  end
+  local n = tonumber(v)
+  if not n then
+    error('the hash at this key is not a lock record (a field holds "' .. string.sub(v, 1, 40) .. '")')
+  end
+  return n
+end
+
+-- The server's clock: ms and µs.
+local function server_clock()
+  local t = redis.call('TIME')
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return math.floor(us / 1000), us
+end
+
+-- Reads fields of the record at `key`: false when it is no record at all (a value of another
+-- type, written by someone else: no lease of this client is there), for the scripts that then
+-- answer "not ours"; the acquire scripts use a plain HMGET, so such a key fails its attempt.
+local function record(key, ...)
+  local v = redis.pcall('HMGET', key, ...)
+  if v.err then
     if string.sub(v.err, 1, 9) == 'WRONGTYPE' then
       return false
     end
     error(v)
   end
   return v
+end
+
+-- The holder of a record read as {t, e, ...}: its token while the lease runs at `now_ms`, else
+-- false.
+local function holding(t, e, now_ms)
+  if t and t ~= '' and (num(e) or 0) > now_ms then
+    return t
+  end
+  return false
+end
+
+-- The record's expiry when a lease runs until `until_ms`: nil when the one it has (`x`) is
+-- far enough (more than half an hour past it), else a new one, an hour past it, for the
+-- caller to write as `x` and then set by `expire_at` (one PEXPIREAT every half hour, for a
+-- lease extended every few seconds).
+local function renewal(x, until_ms)
+  if x and num(x) >= until_ms + HOUR / 2 then
+    return nil
+  end
+  return until_ms + HOUR
+end
+
+local function expire_at(key, at)
+  if at then
+    redis.call('PEXPIREAT', key, int(at))
+  end
+end
+
+-- Sets the lease in `key`'s record (whose expiry was read as `x`) to run until `until_ms`,
+-- renewing the record's hour when it is half gone.
+local function prolong(key, x, until_ms)
+  local at = renewal(x, until_ms)
+  if at then
+    redis.call('HSET', key, 'e', int(until_ms), 'x', int(at))
+  else
+    redis.call('HSET', key, 'e', int(until_ms))
+  end
+  expire_at(key, at)
+end
+
+-- Marks `key`'s record as barring `token` from being granted for `ms` (an attempt given up
+-- whose outcome is unknown: a late copy of it, re-sent after a reconnect, must never take the
+-- lease after this clean-up). The tokens are in the sorted set `<key>:abandoned`; the
+-- record's `a` says until when to look there.
+local function bar(key, token, now_ms, ms)
+  local abandoned = key .. ':abandoned'
+  redis.call('ZREMRANGEBYSCORE', abandoned, '-inf', now_ms)
+  redis.call('ZADD', abandoned, now_ms + ms, token)
+  redis.call('PEXPIRE', abandoned, ms)
+  local seen = redis.call('HMGET', key, 'a', 'x')
+  local until_ms = math.max(num(seen[1]) or 0, now_ms + ms)
+  local at = renewal(seen[2], until_ms)
+  if at then
+    redis.call('HSET', key, 'a', int(until_ms), 'x', int(at))
+  else
+    redis.call('HSET', key, 'a', int(until_ms))
+  end
+  expire_at(key, at)
+end
+
+-- Whether `token` is barred from `key` (see bar): `a` is the record's field.
+local function barred(key, token, a, now_ms)
+  return a and num(a) > now_ms and redis.call('ZSCORE', key .. ':abandoned', token)
 end
 
 -- Takes the fair queue's waiters whose deadline passed (server ms `now_ms`) out of it (see
@@ -46,14 +149,15 @@ local function evict_dead(queue, timeouts, now_ms)
   end
 end
 
--- Hands a free lock to the fair queue's head: evicts the waiters whose deadline passed, then
--- publishes the head's token on `handoff` (pcall: a message an ACL refuses is dropped; the
--- head finds the lock by its re-check).
-local function wake_head(queue, timeouts, handoff, now_ms)
-  evict_dead(queue, timeouts, now_ms)
+-- Hands the free lock at `key` to its fair queue's head: evicts the waiters whose deadline
+-- passed, then publishes the head's token on `<key>:handoff` (pcall: a message an ACL refuses
+-- is dropped; the head finds the lock by its re-check).
+local function wake_head(key, now_ms)
+  local queue = key .. ':queue'
+  evict_dead(queue, key .. ':timeouts', now_ms)
   local head = redis.call('LINDEX', queue, 0)
   if head then
-    redis.pcall('PUBLISH', handoff, head)
+    redis.pcall('PUBLISH', key .. ':handoff', head)
   end
 end
 
@@ -73,18 +177,50 @@ local function uptime_ms(min_ms, now_s)
   return 1000 * math.max((s or 0) - 1, 0)
 end
 
--- After a lease's deletion: remembers the released token in the fence hash (a release re-sent
--- after a reconnect still says "ours"), drops the holder's label, gives the hash an hour, and
--- wakes plain waiters by a message on `channel` (pcall: where the user's ACL refuses the
--- channel, the message is dropped; waiters find out by their fallback re-check). `now()`
--- gives the server's ms (read only when a flag is there). Returns whether the fair queue may
--- hold waiters to hand the lock to.
-local function after_release(fence, token, channel, now)
-  local seen = redis.call('HMGET', fence, 'w', 'q')
-  redis.call('HSET', fence, 'r', token, 'h', '')
-  redis.call('PEXPIRE', fence, '3600000')
-  if seen[1] and tonumber(seen[1]) > now() then
-    redis.pcall('PUBLISH', channel, '1')
+-- Ends the lease in `key`'s record, whose flags were read as `w` and `q`: `e` becomes 0 (the
+-- token stays in `t`, so a release re-sent after a reconnect still finds it released) and the
+-- holder's label goes with it, then
+-- waiters are woken: plain ones by a message on `<key>:released` while `w` says some wait,
+-- the fair queue's head while `q` says the queue may hold waiters. Every step after the
+-- first is under pcall: the lease is released whatever fails then (a queue of another type,
+-- a channel the user's ACL refuses: waiters find out by their fallback re-check).
+local function end_lease(key, w, q, now_ms)
+  redis.call('HSET', key, 'e', '0', 'h', '')
+  if w and num(w) > now_ms then
+    redis.pcall('PUBLISH', key .. ':released', '1')
   end
-  return seen[2] ~= false and tonumber(seen[2]) > now()
+  if q and num(q) > now_ms then
+    pcall(wake_head, key, now_ms)
+  end
+end
+
+-- Grants the lock at `key` to `token` for `ttl` ms from `now_ms`, over a record read as `t`,
+-- `e`, `f`, `x` (nil when there was none), and returns the fencing token: at least the last
+-- + 1, at least the server's clock in µs (`clock_us`: so a restarted server without
+-- persistence, or a record gone after its hour, still hands out larger tokens), and at least
+-- `floor` (a Redlock quorum's proposal; 0 for none), which is capped at the clock plus 2 s
+-- (a client whose clock runs fast cannot push the counter far ahead of the clocks that floor
+-- it after a restart). A token the last holder released is kept as `r`, for its re-sent
+-- release. Costs one HSET, and a PEXPIREAT when the record's hour needs renewing.
+local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us)
+  local fence = math.max((num(f) or 0) + 1, clock_us, math.min(floor, clock_us + 2000000))
+  local until_ms = now_ms + ttl
+  local at = renewal(x, until_ms)
+  local args = {'HSET', key, 't', token, 'e', int(until_ms), 'f', int(fence), 'h', label}
+  if e == '0' and t and t ~= token then
+    args[#args + 1] = 'r'
+    args[#args + 1] = t
+  end
+  if at then
+    args[#args + 1] = 'x'
+    args[#args + 1] = int(at)
+  end
+  redis.call(unpack(args))
+  expire_at(key, at)
+  return fence
+end
+
+-- Whether `token` released the lease of a record read as `t`, `e`, `r` (see grant).
+local function released_by(token, t, e, r)
+  return (t == token and e == '0') or r == token
 end

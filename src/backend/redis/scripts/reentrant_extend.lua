@@ -1,33 +1,33 @@
--- Extend reentrant leases: each reign's three keys (lease, owners, holds) get the same TTL,
--- only where the lease still holds that reign's token. The TTL is never shortened (other
--- holders of the reign may use a longer one).
+-- Extend reentrant leases: each reign's lease and its owners and holds hashes run for the
+-- same time, only where the record still holds that reign's token. The lease is never
+-- shortened (other holders of the reign may use a longer TTL).
 -- ARGV[1] minimum uptime (ms; 0 for none; see extend.lua)
--- KEYS[4i-3..4i] lease key, fence hash, owners hash, holds hash   ARGV[2i] lease token
--- ARGV[2i+1] ttl
+-- KEYS[i] the lock's key   ARGV[2i] lease token   ARGV[2i+1] ttl
 -- Returns per lease 1 (extended), 0 (not this reign's any more, or not counted), or the
--- error's text when a command of this lease failed (see prelude.lua). The
--- fence hash is kept an hour past the lease (see acquire.lua).
+-- error's text when a command of this lease failed (see prelude.lua).
+local now_ms = server_clock()
 local min_uptime = tonumber(ARGV[1])
 local counted = true
 if min_uptime > 0 then
-  counted = uptime_ms(min_uptime) >= min_uptime
+  counted = uptime_ms(min_uptime, math.floor(now_ms / 1000)) >= min_uptime
 end
 local function extend(i)
-  local lease, fence, owners, holds = KEYS[4 * i - 3], KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i]
-  local token = ARGV[2 * i]
-  if counted and holder(lease) == token and redis.call('HGET', holds, 'token') == token then
-    local keep = math.max(redis.call('PTTL', lease), tonumber(ARGV[2 * i + 1]))
-    redis.call('PEXPIRE', lease, keep)
-    redis.call('PEXPIRE', owners, keep)
+  local key, token = KEYS[i], ARGV[2 * i]
+  local holds = key .. ':holds'
+  local seen = counted and record(key, 't', 'e', 'x')
+  if seen and holding(seen[1], seen[2], now_ms) == token
+      and redis.call('HGET', holds, 'token') == token then
+    local keep = math.max(tonumber(seen[2]) - now_ms, tonumber(ARGV[2 * i + 1]))
+    prolong(key, seen[3], now_ms + keep)
+    redis.call('PEXPIRE', key .. ':owners', keep)
     redis.call('PEXPIRE', holds, keep)
-    redis.call('PEXPIRE', fence, keep + 3600000)
     return 1
   end
   return 0
 end
 
 local out = {}
-for i = 1, #KEYS / 4 do
+for i = 1, #KEYS do
   local code, err = each(extend, i)
   -- A failed entry is its error's text, in place of its number.
   out[i] = err or code

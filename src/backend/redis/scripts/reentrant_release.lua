@@ -1,59 +1,48 @@
--- Reentrant release: take one hold out of the reign; at zero, delete the lease and wake
--- waiters as release.lua does (plain waiters by the release channel, the fair queue's head by
--- the hand-off channel).
--- KEYS: lease key, fence hash, owners hash, holds hash, abandoned tokens, fair queue, fair
---   timeouts (see reentrant_acquire.lua, release.lua, fair_acquire.lua)
+-- Reentrant release: take one hold out of the reign; at zero, end the lease and wake waiters
+-- as release.lua does (see end_lease in prelude.lua).
+-- KEYS[1] the lock's key (see reentrant_acquire.lua for the keys beside it)
 -- ARGV: owner, hold, the lease token as the caller knows it ('' when abandoning),
---   tombstone ms (> 0 when abandoning: the hold is barred from being counted later),
---   release channel, hand-off channel
--- Returns {1, count left} (0: the lease is gone, also when a step after the deletion failed)
--- or {0, 0} (the hold is not counted in the reign that holds the key: never counted, or its
+--   tombstone ms (> 0 when abandoning: the hold is barred from being counted later)
+-- Returns {1, count left} (0: the lease has ended, also when a step after that failed) or
+-- {0, 0} (the hold is not counted in the reign that holds the lock: never counted, or its
 -- reign was lost, or no lease at all is there).
 --
 -- Idempotent per hold: a hold is counted once and taken out once. A repeated release of a
 -- hold already taken out of the same reign answers the count again; of the hold whose
--- release ended the reign, 0 (the fence hash's `r`, as release.lua).
-local lease, fence, owners, holds, abandoned, queue, timeouts =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local owner, hold, known, tombstone, channel, handoff =
-  ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
-local now_ms
-local function now()
-  if not now_ms then
-    local t = redis.call('TIME')
-    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  return now_ms
-end
+-- release ended the reign, 0 (see released_by in prelude.lua).
+local key = KEYS[1]
+local owners, holds = key .. ':owners', key .. ':holds'
+local owner, hold, known, tombstone = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local now_ms = server_clock()
 if tombstone > 0 then
-  redis.call('ZREMRANGEBYSCORE', abandoned, '-inf', now())
-  redis.call('ZADD', abandoned, now() + tombstone, hold)
-  redis.call('PEXPIRE', abandoned, tombstone)
+  bar(key, hold, now_ms, tombstone)
 end
-local current = holder(lease)
-if current and redis.call('HGET', holds, 'token') == current
-    and redis.call('HGET', holds, 'owner') == owner then
-  if redis.call('HDEL', holds, hold) == 1 then
-    local left = redis.call('HINCRBY', owners, owner, -1)
-    if left > 0 then
-      return {1, left}
-    end
-    redis.call('DEL', lease, owners, holds)
-    -- Released, whatever fails after this (a fence hash of another type, say).
-    pcall(function()
-      if after_release(fence, hold, channel, now) and redis.call('LLEN', queue) > 0 then
-        wake_head(queue, timeouts, handoff, now())
+local seen = record(key, 't', 'e', 'r', 'w', 'q')
+if not seen then
+  return {0, 0}
+end
+local current = holding(seen[1], seen[2], now_ms)
+if current then
+  local reign = redis.call('HMGET', holds, 'token', 'owner')
+  if reign[1] == current and reign[2] == owner then
+    if redis.call('HDEL', holds, hold) == 1 then
+      local left = redis.call('HINCRBY', owners, owner, -1)
+      if left > 0 then
+        return {1, left}
       end
-    end)
-    return {1, 0}
-  end
-  if known == current then
-    -- Counted in this reign and taken out already: a repeated release.
-    return {1, tonumber(redis.call('HGET', owners, owner) or '0')}
+      end_lease(key, seen[4], seen[5], now_ms)
+      -- Released, whatever fails after this.
+      pcall(redis.call, 'DEL', owners, holds)
+      return {1, 0}
+    end
+    if known == current then
+      -- Counted in this reign and taken out already: a repeated release.
+      return {1, tonumber(redis.call('HGET', owners, owner) or '0')}
+    end
   end
   return {0, 0}
 end
-if not current and redis.call('HGET', fence, 'r') == hold then
+if released_by(hold, seen[1], seen[2], seen[3]) then
   return {1, 0}
 end
 return {0, 0}
