@@ -206,6 +206,47 @@ async fn huge_durations_never_panic() {
     forever.acquire().await.unwrap().release().await.unwrap();
 }
 
+/// A lease TTL past the cap, sent to the Redis store directly (the lock API caps it
+/// earlier): refused before anything is written, for an acquire and for an extension.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_lease_past_the_ttl_cap_is_refused_before_anything_is_written() {
+    use redlease::backend::{Attempt, Backend, Claim, Extended, Lease, NodeTerms};
+    let srv = RedisServer::start();
+    let backend = RedisBackend::connect(&srv.url()).await.expect("connect");
+    let key = redlease::LeaseKey::new("redlease:", "forever");
+    let huge = Duration::from_secs(100 * 365 * 24 * 3600);
+    let claim = Claim::new(key.clone(), redlease::Token::random(), huge);
+    let msg = invalid_message(
+        backend
+            .acquire(&claim, Attempt::Once, NodeTerms::new())
+            .await,
+    );
+    assert!(msg.contains("TTL"), "{msg}");
+    assert_eq!(srv.cmd(&["EXISTS", key.as_str()]).as_int(), Some(0));
+    let token = redlease::Token::random();
+    let sane = Claim::new(key.clone(), token.clone(), Duration::from_secs(5));
+    backend
+        .acquire(&sane, Attempt::Once, NodeTerms::new())
+        .await
+        .expect("acquire");
+    let lease = |ttl| Lease {
+        key: &key,
+        token: &token,
+        ttl,
+    };
+    let leases = [lease(huge), lease(Duration::from_secs(5))];
+    let out = backend
+        .extend(&leases, NodeTerms::new())
+        .await
+        .expect("extend");
+    assert!(
+        matches!(&out[0], Extended::Failed(Error::InvalidConfig(m)) if m.contains("TTL")),
+        "{out:?}"
+    );
+    assert!(matches!(out[1], Extended::Held(_)), "{out:?}");
+    assert!(support::lease_ms(&srv, key.as_str()) <= 5_000);
+}
+
 /// A nanosecond watchdog interval made thousands of rounds a second, and a nanosecond
 /// command timeout failed every command: below their minimums, intervals, delays and
 /// timeouts are refused, naming the minimum; at the minimum they are accepted.

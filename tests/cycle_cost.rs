@@ -80,7 +80,7 @@ async fn cycles(name: impl Fn(u64) -> String, cycles: u64) -> (f64, f64, BTreeMa
 
 /// A plain acquire + release of a free lock, one after another on rotating keys: two script
 /// calls, and six commands inside them (TIME, HMGET and HSET of the lock's record to grant;
-/// TIME, HMGET and HSET to release), plus the record's PEXPIREAT when it is new. A change
+/// TIME, HMGET and HSET to release), plus EXISTS and PEXPIREAT when the record is new. A change
 /// that adds a command to the common cycle fails here, with the count per command.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_cycle_costs_two_script_calls_and_six_commands_inside() {
@@ -91,7 +91,7 @@ async fn a_plain_cycle_costs_two_script_calls_and_six_commands_inside() {
         "{scripts} script calls per cycle: {costs:?}"
     );
     // The first cycle of each of the 16 keys makes its record and gives it its hour.
-    let made = 16.0 / CYCLES as f64;
+    let made = 2.0 * 16.0 / CYCLES as f64;
     assert!(
         inside <= 6.0 + made + 0.001,
         "{inside} commands inside the scripts per cycle: {costs:?}"
@@ -104,9 +104,10 @@ async fn a_plain_cycle_costs_two_script_calls_and_six_commands_inside() {
     }
 }
 
-/// A cycle on a lock never used before: the same, plus the new record's PEXPIREAT.
+/// A cycle on a lock never used before: the same, plus the new record's PEXPIREAT and the
+/// EXISTS that makes sure no one else's hash is there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cycle_on_a_new_lock_adds_only_the_records_expiry() {
+async fn a_cycle_on_a_new_lock_adds_only_the_records_check_and_expiry() {
     const CYCLES: u64 = 100;
     let (scripts, inside, costs) = cycles(|n| format!("new:{n}"), CYCLES).await;
     assert!(
@@ -114,11 +115,15 @@ async fn a_cycle_on_a_new_lock_adds_only_the_records_expiry() {
         "{scripts} script calls per cycle: {costs:?}"
     );
     assert!(
-        inside <= 7.001,
+        inside <= 8.001,
         "{inside} commands inside the scripts per cycle: {costs:?}"
     );
     assert!(
         (costs.get("pexpireat").copied().unwrap_or(0.0) - 1.0).abs() < 0.01,
         "one PEXPIREAT per new record: {costs:?}"
+    );
+    assert!(
+        (costs.get("exists").copied().unwrap_or(0.0) - 1.0).abs() < 0.01,
+        "one EXISTS per new record: {costs:?}"
     );
 }

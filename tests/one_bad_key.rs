@@ -95,14 +95,17 @@ async fn one_poisoned_lease_key_loses_only_its_own_lease() {
 }
 
 /// 200 concurrent `try_acquire`s on distinct keys through one connection (group commit),
-/// one of whose keys holds a string: that acquire fails with an error naming its key and the
-/// type error, and the other 199 are granted. (Before: 40 unrelated acquires failed.)
+/// one of whose keys holds a string and another a hash of someone's data: those acquires
+/// fail with an error naming their key and what is wrong (the hash is left as it was, with
+/// no expiry), and the other 198 are granted. (Before: 40 unrelated acquires failed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_poisoned_key_fails_only_its_own_acquire_in_a_batch() {
     let srv = RedisServer::start();
     let locks = manager(&srv.url(), Duration::from_secs(30)).await;
     let bad = locks.lock("bad-acquire:100").key().as_str().to_owned();
     poison(&srv, &bad);
+    let data = locks.lock("bad-acquire:150").key().as_str().to_owned();
+    assert_eq!(srv.cmd(&["HSET", &data, "name", "bob"]).as_int(), Some(1));
     let calls_before = srv.script_calls();
     let results = all_at_once(200, |i| {
         let lock = locks.lock(&format!("bad-acquire:{i}"));
@@ -124,17 +127,36 @@ async fn one_poisoned_key_fails_only_its_own_acquire_in_a_batch() {
                 );
             }
             (100, other) => panic!("the poisoned key's acquire: {other:?}"),
+            (150, Err(Error::Backend { source })) => {
+                let text = source.to_string();
+                assert!(
+                    text.contains("not a lock record") && text.contains("bad-acquire:150"),
+                    "{text}"
+                );
+            }
+            (150, other) => panic!("the acquire of a key holding a user's hash: {other:?}"),
             (_, Ok(Some(_))) => {}
             (i, other) => panic!("acquire {i} failed with its poisoned neighbour: {other:?}"),
         }
     }
+    let fields = srv.cmd(&["HGETALL", &data]);
+    assert_eq!(
+        format!("{fields:?}"),
+        format!("{:?}", srv.cmd(&["EVAL", "return {'name', 'bob'}", "0"]))
+    );
+    assert_eq!(
+        srv.cmd(&["PTTL", &data]).as_int(),
+        Some(-1),
+        "the user's hash got no expiry"
+    );
 }
 
 /// 200 concurrent releases through one connection: one lock's fair queue was made a string
 /// while its record says the queue may hold waiters (the release script's hand-off after the
-/// release fails on it), and another lock's key a string. The first release ended its lease,
-/// so it reports success; the second finds no lease of its own there (`NotHeld`); the other
-/// 198 release as usual, and no lease is left.
+/// release fails on it), another lock's waiters flag holds no number, and another lock's key
+/// a string. The first two releases ended their lease, so they report success; the third
+/// finds no lease of its own there (`NotHeld`); the other 197 release as usual, and no lease
+/// is left.
 /// (Before: 128 of 200 reported errors, most of which had released, and 13 leases stayed
 /// until their TTL.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,6 +174,8 @@ async fn one_poisoned_key_fails_only_its_own_release_in_a_batch() {
     assert!(srv
         .cmd(&["SET", &format!("{fifty}:timeouts"), "not a sorted set"])
         .is_ok());
+    let sixty = locks.lock("bad-release:60").key().as_str().to_owned();
+    assert_eq!(srv.cmd(&["HSET", &sixty, "w", "soon"]).as_int(), Some(1));
     poison(&srv, locks.lock("bad-release:150").key().as_str());
     let guards = Arc::new(std::sync::Mutex::new(guards));
     let calls_before = srv.script_calls();

@@ -389,6 +389,34 @@ async fn replayed_acquire_and_release_are_idempotent(store: Store) {
         None
     );
     assert!(counted(&acquire(h5.clone()).await).is_none());
+
+    // A reign whose first hold (its lease token) leaves first: the replayed release of the
+    // nested hold that ended it still answers "released" (while no other reign holds).
+    let (h6, h7) = (Token::hold(), Token::hold());
+    assert_eq!(
+        counted(&acquire(h6.clone()).await),
+        Some((Some(1), h6.clone()))
+    );
+    assert_eq!(
+        counted(&acquire(h7.clone()).await),
+        Some((Some(2), h6.clone()))
+    );
+    let release_in = |hold: Token| {
+        let (backend, claim, lease) = (backend.clone(), claim(hold), h6.clone());
+        async move {
+            backend
+                .release(&claim, Release::Confirmed { lease: &lease })
+                .await
+        }
+    };
+    assert_eq!(release_in(h6.clone()).await.unwrap(), Some(1));
+    assert_eq!(release_in(h7.clone()).await.unwrap(), Some(0));
+    assert_eq!(
+        release_in(h7.clone()).await.unwrap(),
+        Some(0),
+        "a replayed release of the nested hold that ended the reign"
+    );
+
     let plain = backend
         .acquire(&Claim::new(key.clone(), Token::random(), ttl), once, terms)
         .await;

@@ -195,6 +195,7 @@ async fn main() {
         eprintln!("{name}");
         let mut results: Vec<Vec<f64>> = vec![Vec::new(); single.len()];
         let mut redis_us: Vec<Vec<f64>> = vec![Vec::new(); single.len()];
+        let mut client_us: Vec<Vec<f64>> = vec![Vec::new(); single.len()];
         for r in 0..plan.repeats {
             for k in 0..single.len() {
                 let i = (k + r) % single.len();
@@ -206,29 +207,32 @@ async fn main() {
                     continue;
                 }
                 let cpu0 = workloads::redis_cpu(&node);
+                let client0 = stats::process_cpu();
                 let v = if tasks == 1 {
                     workloads::w1(&clients, single[i], plan.dur, same).await
                 } else {
                     workloads::w2(&clients, single[i], plan.dur, same).await
                 };
                 let cycles = v * plan.dur.as_secs_f64();
+                client_us[i].push((stats::process_cpu() - client0) * 1e6 / cycles.max(1.0));
                 redis_us[i].push((workloads::redis_cpu(&node) - cpu0) * 1e6 / cycles.max(1.0));
                 results[i].push(v);
             }
         }
         let floor = spread(&results[2]).0;
         let rslock = spread(&results[4]).0;
-        writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock | Redis CPU per cycle |\n|---|---|---|---|---|").unwrap();
+        writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock | Redis CPU per cycle | client CPU per cycle |\n|---|---|---|---|---|---|").unwrap();
         for (i, lib) in single.iter().enumerate() {
             let m = spread(&results[i]).0;
             writeln!(
                 md,
-                "| {} | {} | {:.2}× | {:.2}× | {:.1} µs |",
+                "| {} | {} | {:.2}× | {:.2}× | {:.1} µs | {:.1} µs |",
                 lib.name(),
                 fmt_spread(&results[i], ""),
                 m / floor,
                 m / rslock,
-                spread(&redis_us[i]).0
+                spread(&redis_us[i]).0,
+                spread(&client_us[i]).0
             )
             .unwrap();
         }

@@ -204,6 +204,7 @@ impl Backend for RedisBackend {
     }
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
+        keys::check_ttl(claim.ttl)?;
         self.inner.policy.check()?;
         self.check_connected(terms)?;
         let op = match &claim.kind {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use fred::types::{Key, Value};
 
-use super::keys::ms;
+use super::keys::{check_ttl, ms};
 use super::RedisBackend;
 use crate::backend::{clock_drift, Extended, Lease, NodeTerms};
 use crate::error::{Error, Result};
@@ -22,9 +22,13 @@ impl RedisBackend {
     ) -> Result<Vec<Extended>> {
         self.check_connected(terms)?;
         let min_uptime = ms(terms.min_uptime);
+        let sendable: Vec<usize> = (0..leases.len())
+            .filter(|&i| check_ttl(leases[i].ttl).is_ok())
+            .collect();
         // Reentrant leases are told by their token (a reign's lease token is a hold).
-        let (holds, plain): (Vec<usize>, Vec<usize>) =
-            (0..leases.len()).partition(|&i| leases[i].token.is_hold());
+        let (holds, plain): (Vec<usize>, Vec<usize>) = sendable
+            .into_iter()
+            .partition(|&i| leases[i].token.is_hold());
         let plain_calls = self
             .chunks(leases, &plain)
             .into_iter()
@@ -75,7 +79,13 @@ impl RedisBackend {
         }
         Ok(out
             .into_iter()
-            .map(|e| e.unwrap_or_else(|| Extended::Failed(Error::backend("no reply"))))
+            .zip(leases)
+            .map(|(e, lease)| {
+                e.unwrap_or_else(|| match check_ttl(lease.ttl) {
+                    Err(invalid) => Extended::Failed(invalid),
+                    Ok(()) => Extended::Failed(Error::backend("no reply")),
+                })
+            })
             .collect())
     }
 

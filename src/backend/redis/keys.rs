@@ -89,6 +89,19 @@ pub(super) fn failed(key: &LeaseKey, round: u64) -> String {
     format!("{}:{round}", part(key, Part::Failed))
 }
 
+/// Refuses a lease TTL past [`MAX_TTL`](crate::MAX_TTL) before anything is sent: the scripts
+/// turn a TTL into absolute server times (the lease's and the record's expiry), and one far
+/// past the cap would write a record whose expiry Redis then refuses.
+pub(super) fn check_ttl(ttl: Duration) -> crate::error::Result<()> {
+    if ttl > crate::options::MAX_TTL {
+        return Err(crate::error::Error::invalid(format!(
+            "a lease TTL is at most {:?} (a year), got {ttl:?}",
+            crate::options::MAX_TTL
+        )));
+    }
+    Ok(())
+}
+
 /// Milliseconds, saturating.
 pub(super) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

@@ -56,6 +56,7 @@ local function attempt(i)
     redis.call('PEXPIRE', timeouts, keep)
     -- Tells releases until when to look for a queue head to wake (see end_lease). The record
     -- may be gone (never held, or its hour passed): it is then made, and given its hour.
+    ours(key, x, t, f)
     local at = renewal(x, now_ms + keep)
     if at then
       redis.call('HSET', key, 'q', int(now_ms + keep), 'x', int(at))

@@ -53,6 +53,15 @@ local function num(v)
   return n
 end
 
+-- Refuses to write a hash at `key` that is no lock record (someone's data at a lock's name),
+-- read as `x`, `t`, `f`: every record has `x`, and one that lost it still has `t` or `f`.
+-- Costs an EXISTS only when the lock is new (all three are nil).
+local function ours(key, x, t, f)
+  if not x and not t and not f and redis.call('EXISTS', key) == 1 then
+    error('the key holds a hash that is not a lock record')
+  end
+end
+
 -- The server's clock: ms and µs.
 local function server_clock()
   local t = redis.call('TIME')
@@ -121,7 +130,8 @@ local function bar(key, token, now_ms, ms)
   redis.call('ZREMRANGEBYSCORE', abandoned, '-inf', now_ms)
   redis.call('ZADD', abandoned, now_ms + ms, token)
   redis.call('PEXPIRE', abandoned, ms)
-  local seen = redis.call('HMGET', key, 'a', 'x')
+  local seen = redis.call('HMGET', key, 'a', 'x', 't', 'f')
+  ours(key, seen[2], seen[3], seen[4])
   local until_ms = math.max(num(seen[1]) or 0, now_ms + ms)
   local at = renewal(seen[2], until_ms)
   if at then
@@ -177,19 +187,24 @@ local function uptime_ms(min_ms, now_s)
   return 1000 * math.max((s or 0) - 1, 0)
 end
 
--- Ends the lease in `key`'s record, whose flags were read as `w` and `q`: `e` becomes 0 (the
--- token stays in `t`, so a release re-sent after a reconnect still finds it released) and the
--- holder's label goes with it, then
--- waiters are woken: plain ones by a message on `<key>:released` while `w` says some wait,
--- the fair queue's head while `q` says the queue may hold waiters. Every step after the
--- first is under pcall: the lease is released whatever fails then (a queue of another type,
--- a channel the user's ACL refuses: waiters find out by their fallback re-check).
-local function end_lease(key, w, q, now_ms)
-  redis.call('HSET', key, 'e', '0', 'h', '')
-  if w and num(w) > now_ms then
+-- Ends the lease in `key`'s record, whose flags were read as `w` and `q`: `e` becomes 0 and
+-- the holder's label goes with it; `t` becomes `released` (the token whose release ended the
+-- lease: a reentrant reign's last hold; nil to keep `t`), so a release re-sent after a
+-- reconnect still finds it released. Then waiters are woken: plain ones by a message on
+-- `<key>:released` while `w` says some wait, the fair queue's head while `q` says the queue
+-- may hold waiters. Nothing after the HSET can fail the release: a flag that is no number
+-- counts as unset, and the wake-ups are under pcall (a queue of another type, a channel the
+-- user's ACL refuses: waiters find out by their fallback re-check).
+local function end_lease(key, w, q, now_ms, released)
+  if released then
+    redis.call('HSET', key, 't', released, 'e', '0', 'h', '')
+  else
+    redis.call('HSET', key, 'e', '0', 'h', '')
+  end
+  if (tonumber(w) or 0) > now_ms then
     redis.pcall('PUBLISH', key .. ':released', '1')
   end
-  if q and num(q) > now_ms then
+  if (tonumber(q) or 0) > now_ms then
     pcall(wake_head, key, now_ms)
   end
 end
@@ -203,6 +218,7 @@ end
 -- it after a restart). A token the last holder released is kept as `r`, for its re-sent
 -- release. Costs one HSET, and a PEXPIREAT when the record's hour needs renewing.
 local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us)
+  ours(key, x, t, f)
   local fence = math.max((num(f) or 0) + 1, clock_us, math.min(floor, clock_us + 2000000))
   local until_ms = now_ms + ttl
   local at = renewal(x, until_ms)

@@ -30,7 +30,7 @@ if current then
       if left > 0 then
         return {1, left}
       end
-      end_lease(key, seen[4], seen[5], now_ms)
+      end_lease(key, seen[4], seen[5], now_ms, hold)
       -- Released, whatever fails after this.
       pcall(redis.call, 'DEL', owners, holds)
       return {1, 0}
