@@ -26,19 +26,11 @@ local function attempt(i)
       return 2, min_uptime - uptime
     end
   end
-  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w')
-  local t, e, f, x, a, w = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6]
-  local holder = holding(t, e, now_ms)
-  if holder == token then
-    -- Ours already: a re-sent attempt (after a reconnect, or sent again).
-    prolong(key, x, now_ms + ttl)
-    return 1, num(f) or 0
+  local code, left, holder, seen = arrive(key, token, ttl, now_ms)
+  if code then
+    return code, left
   end
-  local left = holder and tonumber(e) - now_ms or -2
-  if barred(key, token, a, now_ms) then
-    -- A late copy of an attempt that was given up and cleaned up already: never grant it.
-    return 0, left
-  end
+  local w = seen[6]
   if holder then
     if flag ~= '0' then
       -- Releases publish while this flag runs (the record exists: it is held).
@@ -52,7 +44,7 @@ local function attempt(i)
     -- them on newcomers' account.
     return 0, left
   end
-  return 1, grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us)
+  return 1, grant(key, token, ttl, label, floor, seen[1], seen[2], seen[3], seen[4], now_ms, clock_us)
 end
 
 local out = {}

@@ -23,7 +23,7 @@ local function extend(i)
   if not seen or holding(seen[1], seen[2], now_ms) ~= token then
     return 0
   end
-  prolong(key, seen[3], now_ms + ttl)
+  stamp(key, 'e', now_ms + ttl, seen[3])
   return 1
 end
 

@@ -20,19 +20,12 @@ local function attempt(i)
   local queue, timeouts = key .. ':queue', key .. ':timeouts'
   local token, ttl, expire, label =
     ARGV[4 * i + 1], tonumber(ARGV[4 * i + 2]), tonumber(ARGV[4 * i + 3]), ARGV[4 * i + 4]
-  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a')
-  local t, e, f, x, a = seen[1], seen[2], seen[3], seen[4], seen[5]
-  local holder = holding(t, e, now_ms)
-  if holder == token then
-    -- Ours already: a re-sent attempt (after a reconnect).
-    prolong(key, x, now_ms + ttl)
-    return 1, num(f) or 0
+  -- (A barred token is a waiter that gave up and left: it is never granted nor queued.)
+  local code, left, holder, seen = arrive(key, token, ttl, now_ms)
+  if code then
+    return code, left
   end
-  local left = holder and tonumber(e) - now_ms or -2
-  if barred(key, token, a, now_ms) then
-    -- A late copy of an attempt whose waiter gave up and left: never grant or queue it.
-    return 0, left
-  end
+  local t, e, f, x = seen[1], seen[2], seen[3], seen[4]
   evict_dead(queue, timeouts, now_ms)
   local head = redis.call('LINDEX', queue, 0)
   if not holder and (not head or head == token) then
@@ -57,13 +50,7 @@ local function attempt(i)
     -- Tells releases until when to look for a queue head to wake (see end_lease). The record
     -- may be gone (never held, or its hour passed): it is then made, and given its hour.
     ours(key, x, t, f)
-    local at = renewal(x, now_ms + keep)
-    if at then
-      redis.call('HSET', key, 'q', int(now_ms + keep), 'x', int(at))
-    else
-      redis.call('HSET', key, 'q', int(now_ms + keep))
-    end
-    expire_at(key, at)
+    stamp(key, 'q', now_ms + keep, x)
   end
   if not holder and head and head ~= token then
     -- Free, but another waiter's turn: wake it (its wake-up may have been lost, or it just

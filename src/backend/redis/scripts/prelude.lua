@@ -109,14 +109,15 @@ local function expire_at(key, at)
   end
 end
 
--- Sets the lease in `key`'s record (whose expiry was read as `x`) to run until `until_ms`,
--- renewing the record's hour when it is half gone.
-local function prolong(key, x, until_ms)
+-- Sets the time field `field` of `key`'s record (whose expiry was read as `x`) to `until_ms`
+-- (the lease's expiry `e`, or a flag), renewing the record's hour when it would end less than
+-- half an hour after `until_ms`.
+local function stamp(key, field, until_ms, x)
   local at = renewal(x, until_ms)
   if at then
-    redis.call('HSET', key, 'e', int(until_ms), 'x', int(at))
+    redis.call('HSET', key, field, int(until_ms), 'x', int(at))
   else
-    redis.call('HSET', key, 'e', int(until_ms))
+    redis.call('HSET', key, field, int(until_ms))
   end
   expire_at(key, at)
 end
@@ -132,14 +133,7 @@ local function bar(key, token, now_ms, ms)
   redis.call('PEXPIRE', abandoned, ms)
   local seen = redis.call('HMGET', key, 'a', 'x', 't', 'f')
   ours(key, seen[2], seen[3], seen[4])
-  local until_ms = math.max(num(seen[1]) or 0, now_ms + ms)
-  local at = renewal(seen[2], until_ms)
-  if at then
-    redis.call('HSET', key, 'a', int(until_ms), 'x', int(at))
-  else
-    redis.call('HSET', key, 'a', int(until_ms))
-  end
-  expire_at(key, at)
+  stamp(key, 'a', math.max(num(seen[1]) or 0, now_ms + ms), seen[2])
 end
 
 -- Whether `token` is barred from `key` (see bar): `a` is the record's field.
@@ -239,4 +233,24 @@ end
 -- Whether `token` released the lease of a record read as `t`, `e`, `r` (see grant).
 local function released_by(token, t, e, r)
   return (t == token and e == '0') or r == token
+end
+
+-- The first steps of the plain and fair acquire scripts on `key`'s record: an attempt that
+-- finds its own lease (re-sent after a reconnect, or sent again) is answered "ours",
+-- extended to `ttl` from now, with its fencing token; a barred token (see bar) is refused.
+-- Returns that answer as (code, value), or nil, the holder's ms left (-2 when free), the
+-- holder (false when free) and the record as read: {t, e, f, x, a, w}.
+local function arrive(key, token, ttl, now_ms)
+  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w')
+  local holder = holding(seen[1], seen[2], now_ms)
+  if holder == token then
+    stamp(key, 'e', now_ms + ttl, seen[4])
+    return 1, num(seen[3]) or 0
+  end
+  local left = holder and tonumber(seen[2]) - now_ms or -2
+  if barred(key, token, seen[5], now_ms) then
+    -- A late copy of an attempt that was given up and cleaned up already: never grant it.
+    return 0, left
+  end
+  return nil, left, holder, seen
 end

@@ -47,7 +47,7 @@ if current then
     end
     -- A re-entry never shortens the lease.
     local keep = math.max(left, ttl)
-    prolong(key, x, now_ms + keep)
+    stamp(key, 'e', now_ms + keep, x)
     redis.call('PEXPIRE', owners, keep)
     redis.call('PEXPIRE', holds, keep)
     -- The reign's token, or more if a quorum wrote a larger one back (Redlock).

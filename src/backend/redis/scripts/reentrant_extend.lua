@@ -18,7 +18,7 @@ local function extend(i)
   if seen and holding(seen[1], seen[2], now_ms) == token
       and redis.call('HGET', holds, 'token') == token then
     local keep = math.max(tonumber(seen[2]) - now_ms, tonumber(ARGV[2 * i + 1]))
-    prolong(key, seen[3], now_ms + keep)
+    stamp(key, 'e', now_ms + keep, seen[3])
     redis.call('PEXPIRE', key .. ':owners', keep)
     redis.call('PEXPIRE', holds, keep)
     return 1
