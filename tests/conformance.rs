@@ -1,5 +1,6 @@
-//! The behavioural contract of a lock, run against every backend: in memory, and on a real
-//! redis-server, and as Redlock over three memory stores and over three redis-servers.
+//! The behavioural contract of a lock, run against every backend: in memory, on a real
+//! redis-server, on a local Redis Cluster of three primaries, and as Redlock over three memory
+//! stores and over three redis-servers.
 
 mod support;
 
@@ -11,13 +12,14 @@ use redlease::{
     Backend, Error, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions, Redlock,
     RedlockOptions, RetryPolicy,
 };
-use support::{Checker, RedisServer};
+use support::{Checker, RedisCluster, RedisServer};
 
 /// Where the leases live. Every manager made from one store shares the same data; on Redis
 /// each manager has its own connection, as separate processes would.
 enum Store {
     Memory(MemoryBackend),
     Redis(RedisServer),
+    Cluster(RedisCluster),
     RedlockMemory(Vec<MemoryBackend>),
     RedlockRedis(Vec<RedisServer>),
 }
@@ -41,6 +43,10 @@ impl Store {
         Store::Redis(RedisServer::start())
     }
 
+    fn cluster() -> Self {
+        Store::Cluster(RedisCluster::start(3, 0))
+    }
+
     fn redlock_memory() -> Self {
         Store::RedlockMemory((0..3).map(|_| MemoryBackend::new()).collect())
     }
@@ -55,6 +61,11 @@ impl Store {
             Store::Memory(m) => Arc::new(m.clone()),
             Store::Redis(srv) => Arc::new(
                 RedisBackend::connect_with(&srv.url(), redis_opts())
+                    .await
+                    .unwrap(),
+            ),
+            Store::Cluster(cluster) => Arc::new(
+                RedisBackend::connect_with(&cluster.url(), redis_opts())
                     .await
                     .unwrap(),
             ),
@@ -478,6 +489,14 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::redis()).await
+                }
+            )*
+        }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::cluster()).await
                 }
             )*
         }

@@ -1,6 +1,7 @@
 //! Shared integration-test harness (std only, synchronous, runtime-agnostic).
 //!
 //! * [`RedisServer`]: a throw-away `redis-server` on a free loopback port, killed on drop.
+//! * [`RedisCluster`]: a throw-away Redis Cluster of such servers.
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
@@ -12,12 +13,14 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 mod checker;
+mod cluster;
 mod plain;
 mod record;
 mod server;
 mod wait;
 
 pub use checker::{Checker, Section};
+pub use cluster::RedisCluster;
 pub use plain::PlainOnly;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
