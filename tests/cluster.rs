@@ -145,3 +145,128 @@ async fn fair_reentrant_inspect_and_fenced_writes_on_every_shard() {
         assert_eq!(outer.release().await.expect("outer release"), 0);
     }
 }
+
+/// One primary killed (no replica takes over; the other two keep serving their slots): the
+/// leases on the other shards are kept, extended round after round, and locks there can
+/// still be taken and released; the leases on the dead shard are reported lost, within their
+/// TTL. (On fred's cluster client every lease was lost: its one router stalled every shard
+/// while it could not reach the dead one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
+    let mut cluster = RedisCluster::start(3, 0);
+    let ttl = Duration::from_millis(1500);
+    let locks = manager(&cluster, LockOptions::new().ttl(ttl)).await;
+    // Three locks on each primary: names[k][i] is served by primary i.
+    let names: Vec<Vec<String>> = ["dead-a", "dead-b", "dead-c"]
+        .iter()
+        .map(|stem| cluster.names_per_primary("redlease:", stem))
+        .collect();
+    let mut guards = Vec::new();
+    for name in names.iter().flatten() {
+        let lock = locks.lock(name);
+        guards.push((
+            cluster.owner(lock.key().as_str(), 1),
+            lock.try_acquire().await.expect("acquire").expect("free"),
+        ));
+    }
+    let dead = 0;
+    let fresh = cluster.names_per_primary("redlease:", "fresh");
+    cluster.nodes[dead].kill();
+    let rounds = locks.watchdog_stats().rounds;
+    for (owner, guard) in &guards {
+        if *owner == dead {
+            tokio::time::timeout(ttl * 3, guard.lost())
+                .await
+                .expect("a lease on the dead shard is reported lost");
+        }
+    }
+    // Rounds enough to cover two TTLs after the kill: the leases elsewhere were extended.
+    assert!(
+        support::wait_for_async(Duration::from_secs(20), || locks.watchdog_stats().rounds
+            >= rounds + 8)
+        .await,
+        "the watchdog kept going"
+    );
+    for (owner, guard) in &guards {
+        if *owner != dead {
+            assert!(
+                !guard.is_lost(),
+                "a lease on a healthy shard (node {owner}) was lost"
+            );
+        }
+    }
+    for name in &fresh[1..] {
+        let lock = locks.lock(name);
+        let g = lock
+            .try_acquire()
+            .await
+            .expect("an acquire on a healthy shard works")
+            .expect("free");
+        g.release().await.expect("and its release");
+    }
+    let on_dead = locks.lock(&fresh[0]).try_acquire().await;
+    assert!(
+        on_dead.is_err(),
+        "the dead shard answers nothing: {on_dead:?}"
+    );
+}
+
+/// A primary killed, its replica promoted: the locks of that shard can be taken again on the
+/// new primary (the slot table is asked for again after the dead node's calls fail), while
+/// the other shards never stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_follow_a_failover_to_the_promoted_replica() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let locks = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(5))).await;
+    let names = cluster.names_per_primary("redlease:", "failover");
+    let key = locks.lock(&names[0]).key().as_str().to_owned();
+    let before = cluster.owner(&key, 1);
+    locks
+        .lock(&names[0])
+        .try_acquire()
+        .await
+        .expect("acquire")
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+    cluster.nodes[before].kill();
+    // Wait for the cluster to promote the replica of that shard.
+    let survivors: Vec<usize> = (0..cluster.nodes.len()).filter(|&i| i != before).collect();
+    cluster.wait_ok(&survivors);
+    assert!(
+        support::wait_for(Duration::from_secs(30), || {
+            let owner = cluster.owner(&key, survivors[0]);
+            owner != before
+        }),
+        "the replica was promoted"
+    );
+    // The lock on the failed-over shard is served again, on its new primary.
+    let mut taken = None;
+    for _ in 0..100 {
+        match locks.lock(&names[0]).try_acquire().await {
+            Ok(Some(g)) => {
+                taken = Some(g);
+                break;
+            }
+            Ok(None) => panic!("the lock was free"),
+            // The first calls after the failover may still go to the dead node.
+            Err(_) => support::sleep_async(Duration::from_millis(50)).await,
+        }
+    }
+    let g = taken.expect("the lock is served by the promoted replica");
+    assert!(support::held(
+        &cluster.nodes[cluster.owner(&key, survivors[0])],
+        &key
+    ));
+    g.release().await.expect("release");
+    for name in &names[1..] {
+        let g = locks
+            .lock(name)
+            .try_acquire()
+            .await
+            .expect("acquire")
+            .expect("free");
+        g.release().await.expect("release");
+    }
+}

@@ -2,7 +2,8 @@
 //! and Lua code of the crate lives under this module, by concern: `connect` (URLs, options,
 //! the client), `keys` (the key layout, documented there), `ops` (acquire and release, with
 //! group commit in `batch`), `extend`, `pubsub` (wake-ups), `fenced` (fenced writes),
-//! `cache` (the stampede cache's values), and the scripts in `scripts/`.
+//! `cache` (the stampede cache's values), `shards` (a Redis Cluster, one connection per
+//! primary), and the scripts in `scripts/`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -23,6 +24,25 @@ use crate::info::LockInfo;
 use crate::runtime::{in_tokio, Rt};
 use crate::token::LeaseKey;
 
+/// On a cluster (`$self.shards`), runs `$call` on the backend of the primary that serves
+/// `$key`, bound to `$node`, and returns its result from the enclosing function; once more,
+/// on the new owner, after a redirection (a redirected call ran nothing). Elsewhere, does
+/// nothing: the caller goes on to serve the call itself.
+macro_rules! on_shard {
+    ($self:ident, $key:expr, |$node:ident| $call:expr) => {
+        if let Some(shards) = &$self.shards {
+            // Boxed: the node's call is this same function (on a backend with no shards).
+            let $node = shards.node($key).await?;
+            let first = Box::pin($call).await;
+            if !shards.redirected(&first).await {
+                return first;
+            }
+            let $node = shards.node($key).await?;
+            return Box::pin($call).await;
+        }
+    };
+}
+
 mod batch;
 mod cache;
 mod connect;
@@ -31,6 +51,7 @@ mod fenced;
 mod keys;
 mod ops;
 mod pubsub;
+mod shards;
 #[cfg(feature = "tls")]
 mod tls;
 
@@ -44,7 +65,9 @@ use ops::{Op, TOMBSTONE};
 
 /// Leases on a Redis server (`redis://`, `rediss://` with the `tls` feature) or a Redis
 /// Cluster (`redis-cluster://`), through one multiplexed fred connection plus, once someone
-/// waits, one pub/sub connection. Serves every kind of lock: plain, fair and reentrant.
+/// waits, one pub/sub connection; on a cluster, those per primary, each lock's calls going to
+/// the primary that serves its slot (so a primary that is down fails only the locks it
+/// serves). Serves every kind of lock: plain, fair and reentrant.
 ///
 /// Reconnects are automatic (unlimited, exponential back-off up to 1 s); every command has a
 /// timeout, so no call hangs on a dead or paused server. fred runs in a tokio context: the
@@ -58,7 +81,10 @@ use ops::{Op, TOMBSTONE};
 /// ```
 #[derive(Clone)]
 pub struct RedisBackend {
+    /// The connection (on a cluster, to the first primary that answered).
     inner: Arc<Inner>,
+    /// On a cluster: every primary's backend, and the slot table that routes to them.
+    shards: Option<Arc<shards::Shards>>,
 }
 
 struct Inner {
@@ -156,7 +182,8 @@ impl Drop for Inner {
 }
 
 impl RedisBackend {
-    /// The fred client underneath, for commands of your own on the same connection.
+    /// The fred client underneath, for commands of your own on the same connection (on a
+    /// cluster, the connection to the first primary that answered at connect).
     pub fn client(&self) -> &Client {
         &self.inner.client
     }
@@ -184,6 +211,14 @@ impl RedisBackend {
         self.inner.pubsub.by_message()
     }
 
+    /// The backend that serves `key`: on a cluster, its primary's; elsewhere this one.
+    pub(super) async fn serving(&self, key: &str) -> Result<RedisBackend> {
+        match &self.shards {
+            Some(shards) => shards.node(key).await,
+            None => Ok(self.clone()),
+        }
+    }
+
     /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context.
     async fn eval<R: FromValue>(
         &self,
@@ -205,6 +240,8 @@ impl Backend for RedisBackend {
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         keys::check_ttl(claim.ttl)?;
+        on_shard!(self, claim.key.as_str(), |node| node
+            .acquire(claim, attempt, terms));
         self.inner.policy.check()?;
         self.check_connected(terms)?;
         let op = match &claim.kind {
@@ -228,10 +265,14 @@ impl Backend for RedisBackend {
     }
 
     async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
+        if let Some(shards) = &self.shards {
+            return Ok(shards.extend(leases, terms).await);
+        }
         self.extend_leases(leases, terms).await
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
+        on_shard!(self, claim.key.as_str(), |node| node.release(claim, how));
         let lease = match how {
             Release::Confirmed { lease } => Some(lease),
             Release::Abandon => None,
@@ -257,6 +298,7 @@ impl Backend for RedisBackend {
     /// shared by the local waiters, a message waking one of them. Fair claims: the key's
     /// hand-off channel, a message (the new head's token) waking only the waiter it names.
     async fn subscribe(&self, claim: &Claim) -> Result<Subscription> {
+        on_shard!(self, claim.key.as_str(), |node| node.subscribe(claim));
         let (channel, target) = match claim.kind {
             ClaimKind::Fair => (
                 part(&claim.key, Part::Handoff),
@@ -268,6 +310,7 @@ impl Backend for RedisBackend {
     }
 
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
+        on_shard!(self, key.as_str(), |node| node.inspect(key));
         let keys: Vec<Key> = vec![key.as_str().into()];
         let reply: Vec<Value> = self
             .eval(&self.inner.scripts.inspect, keys, Vec::new())
@@ -288,6 +331,7 @@ impl Backend for RedisBackend {
     }
 
     async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
+        on_shard!(self, key.as_str(), |node| node.raise_fence(key, at_least));
         let keys = vec![Key::from(key.as_str())];
         let args = vec![Value::from(at_least.to_string())];
         self.eval::<i64>(&self.inner.scripts.fence, keys, args)

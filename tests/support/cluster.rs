@@ -34,6 +34,9 @@ impl RedisCluster {
                     "1000",
                     "--cluster-require-full-coverage",
                     "no",
+                    // Replicas sync at once (a replica that never synced does not fail over).
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ])
             })
             .collect();
@@ -60,6 +63,19 @@ impl RedisCluster {
         );
         let cluster = RedisCluster { nodes, primaries };
         cluster.wait_ok(&(0..cluster.nodes.len()).collect::<Vec<_>>());
+        // Every replica has synced with its primary.
+        let began = Instant::now();
+        while !cluster.nodes.iter().all(|n| {
+            let role = n.info_field("replication", "role").unwrap_or_default();
+            role != "slave"
+                || n.info_field("replication", "master_link_status").as_deref() == Some("up")
+        }) {
+            assert!(
+                began.elapsed() < READY,
+                "support: the replicas did not sync within {READY:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         cluster
     }
 

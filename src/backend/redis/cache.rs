@@ -85,6 +85,8 @@ impl ValueStore for RedisValues {
         let args = vec![awaited.to_string().into()];
         let reply = self
             .backend
+            .serving(key.as_str())
+            .await?
             .eval::<Value>(&self.scripts().cache_read, keys, args)
             .await?;
         let Value::Array(parts) = reply else {
@@ -128,6 +130,7 @@ impl ValueStore for RedisValues {
     }
 
     async fn fill(&self, key: &LeaseKey, token: &Token, fill: Fill) -> Result<bool> {
+        let backend = self.backend.serving(key.as_str()).await?;
         let keys = vec![key.as_str().into(), part(key, Part::Value).into()];
         let lifetime = fill.ttl.saturating_add(fill.grace);
         let args = vec![
@@ -139,14 +142,14 @@ impl ValueStore for RedisValues {
             part(key, Part::Filled).into(),
             fill.round.to_string().into(),
         ];
-        let reply = self
-            .backend
+        let reply = backend
             .eval::<Value>(&self.scripts().cache_fill, keys, args)
             .await?;
         Ok(reply.as_i64() == Some(1))
     }
 
     async fn fail(&self, key: &LeaseKey, token: &Token, failure: Failure<'_>) -> Result<bool> {
+        let backend = self.backend.serving(key.as_str()).await?;
         let keys = vec![
             key.as_str().into(),
             failed(key, failure.round).into(),
@@ -159,8 +162,7 @@ impl ValueStore for RedisValues {
             part(key, Part::Filled).into(),
             failure.cooldown.map_or(0, |d| ms(d).max(1)).into(),
         ];
-        let reply = self
-            .backend
+        let reply = backend
             .eval::<Value>(&self.scripts().cache_fail, keys, args)
             .await?;
         Ok(reply.as_i64() == Some(1))
@@ -168,7 +170,8 @@ impl ValueStore for RedisValues {
 
     async fn notify(&self, key: &LeaseKey) -> Result<()> {
         use fred::interfaces::PubsubInterface;
-        let client = self.backend.client();
+        let backend = self.backend.serving(key.as_str()).await?;
+        let client = backend.client();
         in_tokio(client.publish::<i64, _, _>(part(key, Part::Filled), "1"))
             .await
             .map(drop)
@@ -177,7 +180,8 @@ impl ValueStore for RedisValues {
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {
         // Every message wakes every local listener.
-        self.backend
+        let backend = self.backend.serving(key.as_str()).await?;
+        backend
             .inner
             .pubsub
             .subscribe(part(key, Part::Filled), true, None)

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use fred::interfaces::{ClientLike, EventInterface};
 use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
-use fred::types::config::UnresponsiveConfig;
+use fred::types::config::{ServerConfig, UnresponsiveConfig};
 use fred::types::InfoKind;
 use futures::stream::{FuturesUnordered, StreamExt};
 
@@ -223,7 +223,8 @@ impl RedisBackend {
     /// Returns at once, without waiting for the server: the connection is made, and remade,
     /// in the background, and commands wait for it (up to the command timeout). For a
     /// [`Redlock`](crate::Redlock) node that may be down when the application starts.
-    /// Fails only with [`Error::InvalidConfig`] for a bad URL or options.
+    /// Fails only with [`Error::InvalidConfig`] for a bad URL or options. (A cluster URL
+    /// waits for one of its nodes to say which primary serves which slots.)
     ///
     /// ```
     /// use std::time::Duration;
@@ -244,6 +245,7 @@ impl RedisBackend {
 
     async fn open(url: &str, options: RedisOptions, wait: bool) -> Result<Self> {
         options.validate()?;
+        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
         let (mut config, tls) = parse_url(url)?;
         #[cfg(feature = "tls")]
         if tls {
@@ -256,7 +258,29 @@ impl RedisBackend {
         }
         #[cfg(not(feature = "tls"))]
         let _ = tls; // `parse_url` refused a TLS URL
-        let clustered = config.server.is_clustered();
+        if let ServerConfig::Clustered { hosts, .. } = &config.server {
+            // One connection per primary (see `shards`): the seeds are asked for the slot
+            // table now, whether or not the call waits (a cluster's routes must be known).
+            let seeds = hosts.iter().map(|h| (h.host.to_string(), h.port)).collect();
+            let shards = super::shards::Shards::connect(config, seeds, options).await?;
+            let first = shards.first()?;
+            return Ok(RedisBackend {
+                inner: first.inner,
+                shards: Some(shards),
+            });
+        }
+        Self::open_node(config, options, wait, false).await
+    }
+
+    /// A backend over one server's connection made from `config`; `slots`: the server is a
+    /// cluster node, where a script call may touch one slot only.
+    pub(super) async fn open_node(
+        mut config: Config,
+        options: RedisOptions,
+        wait: bool,
+        slots: bool,
+    ) -> Result<Self> {
+        let clustered = slots || config.server.is_clustered();
         // The subscriber connects in `assemble` (a lazy backend's at its first wait), and
         // fails then if the server is away.
         let subscriber_config = config.clone();
@@ -385,6 +409,7 @@ impl RedisBackend {
             Box::pin(pubsub.connect()).await;
         }
         Ok(RedisBackend {
+            shards: None,
             inner: Arc::new(Inner {
                 client,
                 scripts,

@@ -89,11 +89,14 @@ impl RedisBackend {
         value: impl Into<Bytes>,
         fencing_token: u64,
     ) -> Result<FencedWrite> {
+        let value = value.into();
+        on_shard!(self, key, |node| node.fenced_set(
+            key,
+            value.clone(),
+            fencing_token
+        ));
         let keys = vec![Key::from(key)];
-        let args = vec![
-            Value::Bytes(value.into()),
-            Value::from(fencing_token.to_string()),
-        ];
+        let args = vec![Value::Bytes(value), Value::from(fencing_token.to_string())];
         let reply: Vec<Value> = self
             .eval(&self.inner.scripts.fenced_set, keys, args)
             .await?;
@@ -121,6 +124,7 @@ impl RedisBackend {
     /// [`Error::Backend`] if Redis fails, or `key` holds something other than a hash.
     pub async fn fenced_get(&self, key: &str) -> Result<Option<(Bytes, u64)>> {
         use fred::interfaces::HashesInterface;
+        on_shard!(self, key, |node| node.fenced_get(key));
         let fields: Vec<Option<Bytes>> = in_tokio(self.client().hmget(key, vec!["v", "f"]))
             .await
             .map_err(Error::backend)?;

@@ -7,7 +7,6 @@ use std::time::Duration;
 use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 
-use super::batch;
 use super::keys::ms;
 use super::RedisBackend;
 use crate::backend::{clock_drift, Acquire, Attempt, Claim, Grant, NodeTerms, NotSent, Refused};
@@ -97,13 +96,8 @@ pub(super) fn acquired(claim: &Claim, (code, value): Reply) -> Result<Acquire> {
 }
 
 impl RedisBackend {
-    /// Sends one acquire or release through the shared queue (group commit), or alone on a
-    /// cluster, where a script may touch one slot only.
+    /// Sends one acquire or release through the shared queue (group commit).
     pub(super) async fn op(&self, op: Op) -> Result<Reply> {
-        if self.inner.clustered {
-            // Boxed: the batcher's path is the common one, and keeps the future small.
-            return batch::single(Box::pin(self.clone().ops_batch(vec![op])).await?)?;
-        }
         // A release is sent even if its caller stops waiting for the answer.
         let keep = matches!(op, Op::Release { .. });
         let this = self.clone();
@@ -118,17 +112,26 @@ impl RedisBackend {
     /// made. Each operation joins the first phase of its kind that is not before its key's
     /// previous operation (the same phase if of the same kind: a script runs its entries in
     /// order); phases are sent back to back, in order, on the one connection. Distinct keys
-    /// (the common case) make at most one phase per kind.
+    /// (the common case) make at most one phase per kind. On a cluster node a script call
+    /// may touch one slot only: a phase holds one slot's operations.
     async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Outcome>> {
         let count = ops.len();
+        let clustered = self.inner.clustered;
+        let slot =
+            |op: &Op| clustered.then(|| fred::util::redis_keyslot(op.key().as_str().as_bytes()));
         let phases = if count == 1 {
             // A lone call (the inline path): no grouping to do.
-            ops.iter().map(|op| (op.kind(), vec![0])).collect()
+            ops.iter()
+                .map(|op| ((op.kind(), slot(op)), vec![0]))
+                .collect()
         } else {
-            phases(ops.iter().map(|op| (op.kind(), op.key().as_str())))
+            phases(
+                ops.iter()
+                    .map(|op| ((op.kind(), slot(op)), op.key().as_str())),
+            )
         };
         let mut slots: Vec<Option<Op>> = ops.into_iter().map(Some).collect();
-        let calls = phases.into_iter().map(|(kind, idx)| {
+        let calls = phases.into_iter().map(|((kind, _), idx)| {
             let taken: Vec<Op> = idx.iter().filter_map(|&i| slots[i].take()).collect();
             let this = self.clone();
             async move {
@@ -371,6 +374,7 @@ impl RedisBackend {
     ///
     /// [`Error::Backend`] if Redis fails.
     pub async fn force_release(&self, key: &LeaseKey) -> Result<bool> {
+        on_shard!(self, key.as_str(), |node| node.force_release(key));
         let keys: Vec<Key> = vec![key.as_str().into()];
         let deleted: i64 = self
             .eval(&self.inner.scripts.force_release, keys, Vec::<Value>::new())
@@ -423,9 +427,12 @@ fn check_hold(hold: &Token) -> Result<()> {
 }
 
 /// Groups operations `(kind, key)` into phases (see `RedisBackend::ops_batch`): indices per
-/// phase, in order.
-fn phases<'a>(ops: impl Iterator<Item = (Kind, &'a str)>) -> Vec<(Kind, Vec<usize>)> {
-    let mut phases: Vec<(Kind, Vec<usize>)> = Vec::new();
+/// phase, in order. A kind is whatever must be the same within one script call (the
+/// operation, and on a cluster the slot).
+fn phases<'a, K: PartialEq + Copy>(
+    ops: impl Iterator<Item = (K, &'a str)>,
+) -> Vec<(K, Vec<usize>)> {
+    let mut phases: Vec<(K, Vec<usize>)> = Vec::new();
     let mut last: HashMap<&str, usize> = HashMap::new();
     for (i, (kind, key)) in ops.enumerate() {
         let after = last.get(key).copied();

@@ -1,0 +1,292 @@
+//! A Redis Cluster served one shard at a time: a connection of its own per primary (a
+//! [`RedisBackend`] each, with its own group commit, subscriber and reconnects), and the slot
+//! table that routes each lock's key to its primary.
+//!
+//! fred's cluster client has one router for every shard: when a connection breaks it
+//! re-syncs them all, and that sync fails as long as a dead primary still owns slots, so one
+//! primary down stalled the commands to the healthy ones too (every lease was lost). Here a
+//! dead primary fails only the calls for its own slots.
+//!
+//! The table comes from `CLUSTER SLOTS`, asked of any primary that answers, at connect and
+//! again whenever a call is redirected (`MOVED`: the call is then sent once more, to the
+//! new owner; a redirected call ran nothing) or a node fails a call (a failover may have
+//! moved its slots: the next calls go where the table says then).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use fred::interfaces::ClientLike;
+use fred::prelude::Config;
+use fred::types::config::ServerConfig;
+use fred::types::{ClusterHash, CustomCommand, Value};
+
+use super::RedisBackend;
+use super::RedisOptions;
+use crate::backend::{Extended, Lease, NodeTerms};
+use crate::error::{Error, Result};
+use crate::runtime::in_tokio;
+
+/// At most one table refresh per this long after a failed call (a dead node fails every
+/// call for it; one refresh tells where its slots went).
+const REFRESH_EVERY: Duration = Duration::from_millis(100);
+
+/// The primaries of a cluster and the slots each serves.
+pub(super) struct Shards {
+    /// The cluster's settings (credentials, TLS, timeouts), made into one node's by
+    /// replacing the server.
+    template: Config,
+    options: RedisOptions,
+    /// Slot ranges (first, last) and the address ("host:port") of the primary serving them,
+    /// sorted by first slot.
+    table: RwLock<Vec<(u16, u16, String)>>,
+    /// A backend per primary address, made at the first call for one of its slots.
+    nodes: Mutex<HashMap<String, RedisBackend>>,
+    /// When the table was last asked for after a failure.
+    refreshed: Mutex<Option<Instant>>,
+}
+
+impl Shards {
+    /// Asks the seed nodes, in turn, for the slot table; the first that answers is kept as
+    /// the first node's backend.
+    pub(super) async fn connect(
+        template: Config,
+        seeds: Vec<(String, u16)>,
+        options: RedisOptions,
+    ) -> Result<Arc<Shards>> {
+        let shards = Arc::new(Shards {
+            template,
+            options,
+            table: RwLock::new(Vec::new()),
+            nodes: Mutex::new(HashMap::new()),
+            refreshed: Mutex::new(None),
+        });
+        let mut last = Error::invalid("a cluster URL names no node");
+        for (host, port) in seeds {
+            let addr = format!("{host}:{port}");
+            match shards.open(&addr, true).await {
+                Ok(node) => match slots(&node, &host).await {
+                    Ok(table) => {
+                        *write(&shards.table) = table;
+                        lock(&shards.nodes).insert(addr, node);
+                        return Ok(shards);
+                    }
+                    Err(e) => last = e,
+                },
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// The backend of the primary serving `key` now (connected in the background if new).
+    pub(super) async fn node(&self, key: &str) -> Result<RedisBackend> {
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let addr = {
+            let table = read(&self.table);
+            let at = table.partition_point(|(first, _, _)| *first <= slot);
+            match at.checked_sub(1).map(|i| &table[i]) {
+                Some((_, last, addr)) if slot <= *last => addr.clone(),
+                _ => {
+                    return Err(Error::backend(format!(
+                        "no primary of the cluster serves slot {slot} (of {key})"
+                    )))
+                }
+            }
+        };
+        if let Some(node) = lock(&self.nodes).get(&addr) {
+            return Ok(node.clone());
+        }
+        let node = self.open(&addr, false).await?;
+        Ok(lock(&self.nodes).entry(addr).or_insert(node).clone())
+    }
+
+    /// After a call on a node: whether it was redirected (then the table is asked for again,
+    /// and the call is to be sent once more). Any other error of the node's (not of one
+    /// lease's own commands) may mean its slots moved: the table is asked for again, at most
+    /// every [`REFRESH_EVERY`].
+    pub(super) async fn redirected<T>(&self, result: &Result<T>) -> bool {
+        let Err(e) = result else {
+            return false;
+        };
+        let moved = e.to_string().contains("MOVED");
+        if moved || !crate::backend::refused(e) {
+            self.refresh(moved).await;
+        }
+        moved
+    }
+
+    /// Asks the primaries for the slot table and keeps the first answer; `now` skips the rate
+    /// limit.
+    pub(super) async fn refresh(&self, now: bool) {
+        {
+            let mut last = lock(&self.refreshed);
+            if !now && last.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let nodes: Vec<(String, RedisBackend)> = lock(&self.nodes)
+            .iter()
+            .map(|(a, n)| (a.clone(), n.clone()))
+            .collect();
+        for (addr, node) in nodes {
+            if !node.inner.client.is_connected() {
+                continue;
+            }
+            let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+            if let Ok(table) = slots(&node, host).await {
+                let live: Vec<String> = table.iter().map(|(_, _, a)| a.clone()).collect();
+                *write(&self.table) = table;
+                // A primary that serves nothing any more (failed over, removed) is let go.
+                lock(&self.nodes).retain(|a, _| live.contains(a));
+                return;
+            }
+        }
+    }
+
+    /// A backend connected to the one node at `addr`, with the cluster's settings. Its
+    /// script calls stay within one slot, as the cluster requires.
+    async fn open(&self, addr: &str, wait: bool) -> Result<RedisBackend> {
+        let (host, port) = addr
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+            .ok_or_else(|| Error::backend(format!("a cluster node with no port: {addr:?}")))?;
+        let mut config = self.template.clone();
+        #[cfg(feature = "tls")]
+        let name = match &self.template.server {
+            ServerConfig::Clustered { hosts, .. } => {
+                hosts.first().and_then(|h| h.tls_server_name.clone())
+            }
+            _ => None,
+        };
+        config.server = ServerConfig::new_centralized(host, port);
+        // `TlsOptions::server_name`, given for the cluster, holds for each of its nodes.
+        #[cfg(feature = "tls")]
+        if let ServerConfig::Centralized { server } = &mut config.server {
+            server.tls_server_name = name;
+        }
+        RedisBackend::open_node(config, self.options.clone(), wait, true).await
+    }
+
+    /// A backend of one of the primaries (the one `connect` asked first).
+    pub(super) fn first(&self) -> Result<RedisBackend> {
+        lock(&self.nodes)
+            .values()
+            .next()
+            .cloned()
+            .ok_or_else(|| Error::backend("no primary of the cluster is connected"))
+    }
+
+    /// Extends `leases` on the primaries that serve them, each primary's at once: a lease
+    /// whose primary fails is `Failed` alone.
+    pub(super) async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Vec<Extended> {
+        let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
+        let mut by_node: HashMap<String, (RedisBackend, Vec<usize>)> = HashMap::new();
+        for (i, lease) in leases.iter().enumerate() {
+            match self.node(lease.key.as_str()).await {
+                Ok(node) => {
+                    let id = node.inner.client.id().to_owned();
+                    by_node
+                        .entry(id)
+                        .or_insert_with(|| (node, Vec::new()))
+                        .1
+                        .push(i);
+                }
+                Err(e) => out[i] = Some(Extended::Failed(e)),
+            }
+        }
+        let calls = by_node.into_values().map(|(node, idx)| async move {
+            let subset: Vec<Lease<'_>> = idx
+                .iter()
+                .map(|&i| Lease {
+                    key: leases[i].key,
+                    token: leases[i].token,
+                    ttl: leases[i].ttl,
+                })
+                .collect();
+            let reply = node.extend_leases(&subset, terms).await;
+            (idx, reply)
+        });
+        let mut refresh = false;
+        for (idx, reply) in futures::future::join_all(calls).await {
+            match reply {
+                Ok(extended) => {
+                    for (i, e) in idx.into_iter().zip(extended) {
+                        if let Extended::Failed(err) = &e {
+                            refresh |= !crate::backend::refused(err);
+                        }
+                        out[i] = Some(e);
+                    }
+                }
+                Err(e) => {
+                    refresh = true;
+                    let msg = e.to_string();
+                    for i in idx {
+                        out[i] = Some(Extended::Failed(Error::backend(msg.clone())));
+                    }
+                }
+            }
+        }
+        if refresh {
+            self.refresh(false).await;
+        }
+        out.into_iter()
+            .map(|e| e.unwrap_or_else(|| Extended::Failed(Error::backend("no reply"))))
+            .collect()
+    }
+}
+
+/// The slot table as `node` (reached at `host`) sees it: `CLUSTER SLOTS`, primaries only.
+async fn slots(node: &RedisBackend, host: &str) -> Result<Vec<(u16, u16, String)>> {
+    let command = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
+    let reply: Value = in_tokio(node.inner.client.custom(command, vec!["SLOTS"]))
+        .await
+        .map_err(Error::backend)?;
+    let Value::Array(ranges) = reply else {
+        return Err(Error::backend("CLUSTER SLOTS returned no array"));
+    };
+    let mut table = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        let Value::Array(parts) = range else { continue };
+        let slot = |i: usize| {
+            parts
+                .get(i)
+                .and_then(Value::as_i64)
+                .and_then(|s| u16::try_from(s).ok())
+        };
+        let primary = match parts.get(2) {
+            Some(Value::Array(node)) => node,
+            _ => continue,
+        };
+        let ip = primary
+            .first()
+            .and_then(Value::as_string)
+            .unwrap_or_default();
+        let port = primary.get(1).and_then(Value::as_i64);
+        if let (Some(first), Some(last), Some(port)) = (slot(0), slot(1), port) {
+            // An empty address means "the node you asked".
+            let ip = if ip.is_empty() { host.to_owned() } else { ip };
+            table.push((first, last, format!("{ip}:{port}")));
+        }
+    }
+    if table.is_empty() {
+        return Err(Error::backend(
+            "CLUSTER SLOTS names no primary: is this a cluster node?",
+        ));
+    }
+    table.sort_by_key(|(first, _, _)| *first);
+    Ok(table)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
