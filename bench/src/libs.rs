@@ -212,3 +212,71 @@ impl Held {
 fn token() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
+
+/// The rows of W7 (W2 on a Redis Cluster): redlease, and the floor sent by hand on fred's
+/// cluster client.
+#[derive(Clone)]
+pub struct ClusterClients {
+    pub redlease: redlease::LockManager,
+    fred: fred::clients::Client,
+    script: Script,
+}
+
+impl ClusterClients {
+    /// Clients of the cluster at `url` (`redis-cluster://`).
+    pub async fn connect(url: &str) -> ClusterClients {
+        let backend = redlease::RedisBackend::connect(url)
+            .await
+            .expect("redlease connects to the cluster");
+        let opts = redlease::LockOptions::new().ttl(TTL);
+        let redlease = redlease::LockManager::with_options(backend, opts).expect("options");
+        let config = fred::types::config::Config::from_url(url).expect("url");
+        let fred = fred::types::Builder::from_config(config)
+            .build()
+            .expect("fred client");
+        fred.init().await.expect("fred connects");
+        let script = Script::from_lua(COMPARE_AND_DELETE);
+        script.load(&fred).await.expect("script loads");
+        ClusterClients {
+            redlease,
+            fred,
+            script,
+        }
+    }
+
+    /// One acquire + release of `key` (free), by `lib`: redlease (explicit or drop
+    /// release) or the fred floor.
+    pub async fn cycle(&self, lib: Lib, key: &str) {
+        match lib {
+            Lib::Redlease | Lib::RedleaseDrop => {
+                let g = self.redlease.lock(key).try_acquire().await;
+                let g = g.expect("acquire").expect("free key");
+                if lib == Lib::RedleaseDrop {
+                    drop(g);
+                } else {
+                    g.release().await.expect("release");
+                }
+            }
+            _ => {
+                let token = token();
+                let ok: Option<String> = self
+                    .fred
+                    .set(
+                        key,
+                        token.as_str(),
+                        Some(Expiration::PX(TTL.as_millis() as i64)),
+                        Some(SetOptions::NX),
+                        false,
+                    )
+                    .await
+                    .expect("SET NX");
+                assert!(ok.is_some(), "free key");
+                let _: i64 = self
+                    .script
+                    .evalsha(&self.fred, key, token.as_str())
+                    .await
+                    .expect("release");
+            }
+        }
+    }
+}

@@ -439,6 +439,44 @@ async fn main() {
         .unwrap();
     }
 
+    // W7: W2 on a Redis Cluster of three primaries (no replicas).
+    if plan.runs("W7") {
+        eprintln!("W7");
+        let cluster = harness::cluster::RedisCluster::start(3, 0);
+        let clients = libs::ClusterClients::connect(&cluster.url()).await;
+        let rows = [Lib::Redlease, Lib::RedleaseDrop, Lib::FredRaw];
+        let mut results: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        let mut redis_us: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        let cpu = |c: &harness::cluster::RedisCluster| -> f64 {
+            c.primaries().iter().map(workloads::redis_cpu).sum()
+        };
+        for r in 0..plan.repeats {
+            for k in 0..rows.len() {
+                let i = (k + r) % rows.len();
+                let cpu0 = cpu(&cluster);
+                let v = workloads::w7(&clients, rows[i], plan.dur).await;
+                let cycles = v * plan.dur.as_secs_f64();
+                redis_us[i].push((cpu(&cluster) - cpu0) * 1e6 / cycles.max(1.0));
+                results[i].push(v);
+            }
+        }
+        let floor = spread(&results[2]).0;
+        writeln!(md, "## W7: W2 on a Redis Cluster (3 primaries), 64 tasks, distinct keys, one shared client\n\nredlease keeps a connection per primary; the floor is the same commands sent by hand on fred's cluster client. No replica acknowledgement.\n\n| library | cycles/s | vs fred floor | Redis CPU per cycle, all primaries |\n|---|---|---|---|").unwrap();
+        for (i, lib) in rows.iter().enumerate() {
+            writeln!(
+                md,
+                "| {} | {} | {:.2}× | {:.1} µs |",
+                lib.name()
+                    .replace("raw floor: fred", "raw floor: fred cluster client,"),
+                fmt_spread(&results[i], ""),
+                spread(&results[i]).0 / floor,
+                spread(&redis_us[i]).0
+            )
+            .unwrap();
+        }
+        writeln!(md).unwrap();
+    }
+
     // W6: idle waiters on one held lock in one process.
     if plan.runs("W6") {
         eprintln!("W6");

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::libs::{Clients, Lib};
+use crate::libs::{Clients, ClusterClients, Lib};
 use crate::server::RedisServer;
 use crate::stats;
 
@@ -44,6 +44,30 @@ pub async fn w2(clients: &Clients, lib: Lib, dur: Duration, same: bool) -> f64 {
         .collect();
     for t in tasks {
         t.await.expect("w2 task");
+    }
+    done.load(Ordering::Relaxed) as f64 / began.elapsed().as_secs_f64()
+}
+
+/// W7: W2's shape (64 tasks, distinct keys, one shared client) on a Redis Cluster. Returns
+/// cycles per second.
+pub async fn w7(clients: &ClusterClients, lib: Lib, dur: Duration) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let began = Instant::now();
+    let tasks: Vec<_> = (0..64)
+        .map(|t| {
+            let (clients, done) = (clients.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while began.elapsed() < dur {
+                    clients.cycle(lib, &format!("w7:{t}:{}", n % 64)).await;
+                    n += 1;
+                }
+                done.fetch_add(n, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("w7 task");
     }
     done.load(Ordering::Relaxed) as f64 / began.elapsed().as_secs_f64()
 }
