@@ -151,11 +151,17 @@ async fn fair_reentrant_inspect_and_fenced_writes_on_every_shard() {
 /// still be taken and released; the leases on the dead shard are reported lost, within their
 /// TTL. (On fred's cluster client every lease was lost: its one router stalled every shard
 /// while it could not reach the dead one.)
+///
+/// With the default command timeout (2 s) against a 3 s TTL: a round of the watchdog does
+/// not wait for the dead primary's calls to time out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
     let mut cluster = RedisCluster::start(3, 0);
-    let ttl = Duration::from_millis(1500);
-    let locks = manager(&cluster, LockOptions::new().ttl(ttl)).await;
+    let ttl = Duration::from_secs(3);
+    let backend = RedisBackend::connect(&cluster.url())
+        .await
+        .expect("connect");
+    let locks = LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options");
     // Three locks on each primary: names[k][i] is served by primary i.
     let names: Vec<Vec<String>> = ["dead-a", "dead-b", "dead-c"]
         .iter()
@@ -213,12 +219,21 @@ async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
 
 /// A primary killed, its replica promoted: the locks of that shard can be taken again on the
 /// new primary (the slot table is asked for again after the dead node's calls fail), while
-/// the other shards never stopped.
+/// the other shards never stopped. The URL names only the primary that dies, and the backend
+/// has used no other node before: the table is asked of nodes it learnt from the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquires_follow_a_failover_to_the_promoted_replica() {
     let mut cluster = RedisCluster::start(3, 1);
-    let locks = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(5))).await;
     let names = cluster.names_per_primary("redlease:", "failover");
+    let seed = cluster.owner(&format!("redlease:{{{}}}", names[0]), 0);
+    let backend = RedisBackend::connect_with(
+        &cluster.url_of(&[seed]),
+        RedisOptions::new().command_timeout(Duration::from_millis(500)),
+    )
+    .await
+    .expect("connect");
+    let locks = LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(5)))
+        .expect("options");
     let key = locks.lock(&names[0]).key().as_str().to_owned();
     let before = cluster.owner(&key, 1);
     locks

@@ -32,9 +32,10 @@ macro_rules! on_shard {
     ($self:ident, $key:expr, |$node:ident| $call:expr) => {
         if let Some(shards) = &$self.shards {
             // Boxed: the node's call is this same function (on a backend with no shards).
+            let seen = shards.generation();
             let $node = shards.node($key).await?;
             let first = Box::pin($call).await;
-            if !shards.redirected(&first).await {
+            if !shards.redirected(&first, seen).await {
                 return first;
             }
             let $node = shards.node($key).await?;

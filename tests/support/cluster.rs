@@ -89,6 +89,20 @@ impl RedisCluster {
         url
     }
 
+    /// A URL naming only the nodes `which` (the backend learns the others from them).
+    pub fn url_of(&self, which: &[usize]) -> String {
+        let mut url = String::from("redis-cluster://");
+        for (i, &n) in which.iter().enumerate() {
+            if i == 0 {
+                url.push_str(&format!("127.0.0.1:{}", self.nodes[n].port()));
+            } else {
+                url.push(if i == 1 { '?' } else { '&' });
+                url.push_str(&format!("node=127.0.0.1:{}", self.nodes[n].port()));
+            }
+        }
+        url
+    }
+
     /// The primaries.
     pub fn primaries(&self) -> &[RedisServer] {
         &self.nodes[..self.primaries]

@@ -7,12 +7,16 @@
 //! primary down stalled the commands to the healthy ones too (every lease was lost). Here a
 //! dead primary fails only the calls for its own slots.
 //!
-//! The table comes from `CLUSTER SLOTS`, asked of any primary that answers, at connect and
-//! again whenever a call is redirected (`MOVED`: the call is then sent once more, to the
-//! new owner; a redirected call ran nothing) or a node fails a call (a failover may have
-//! moved its slots: the next calls go where the table says then).
+//! The table comes from `CLUSTER SLOTS`, asked of any node that answers (the connected ones
+//! first, then the seeds and the addresses in the table, on a connection of their own), at
+//! connect and again whenever a call is redirected (`MOVED`: the call is then sent once more,
+//! to the new owner; a redirected call ran nothing) or a node fails a call (a failover may
+//! have moved its slots: the table is asked for in the background, and the next calls go
+//! where it says then). A node's backend is kept once made: a waiter subscribed through it
+//! keeps being woken there (a cluster delivers `PUBLISH` to every node, replicas included).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -25,7 +29,7 @@ use super::RedisBackend;
 use super::RedisOptions;
 use crate::backend::{Extended, Lease, NodeTerms};
 use crate::error::{Error, Result};
-use crate::runtime::in_tokio;
+use crate::runtime::{in_tokio, Rt};
 
 /// At most one table refresh per this long after a failed call (a dead node fails every
 /// call for it; one refresh tells where its slots went).
@@ -40,10 +44,17 @@ pub(super) struct Shards {
     /// Slot ranges (first, last) and the address ("host:port") of the primary serving them,
     /// sorted by first slot.
     table: RwLock<Vec<(u16, u16, String)>>,
-    /// A backend per primary address, made at the first call for one of its slots.
+    /// A backend per node address, made at the first call for one of its slots.
     nodes: Mutex<HashMap<String, RedisBackend>>,
-    /// When the table was last asked for after a failure.
+    /// The addresses the URL named, asked for the table when no connected node answers.
+    seeds: Vec<String>,
+    /// When the table was last asked for in the background after a failure.
     refreshed: Mutex<Option<Instant>>,
+    /// Bumped by every new table: a caller that saw a redirection under an older table
+    /// waits for one newer than it.
+    generation: AtomicU64,
+    /// One refresh at a time.
+    refreshing: futures::lock::Mutex<()>,
 }
 
 impl Shards {
@@ -59,7 +70,10 @@ impl Shards {
             options,
             table: RwLock::new(Vec::new()),
             nodes: Mutex::new(HashMap::new()),
+            seeds: seeds.iter().map(|(h, p)| format!("{h}:{p}")).collect(),
             refreshed: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            refreshing: futures::lock::Mutex::new(()),
         });
         let mut last = Error::invalid("a cluster URL names no node");
         for (host, port) in seeds {
@@ -79,8 +93,13 @@ impl Shards {
         Err(last)
     }
 
+    /// The table's generation now: see [`redirected`](Self::redirected).
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
     /// The backend of the primary serving `key` now (connected in the background if new).
-    pub(super) async fn node(&self, key: &str) -> Result<RedisBackend> {
+    pub(super) async fn node(self: &Arc<Self>, key: &str) -> Result<RedisBackend> {
         let slot = fred::util::redis_keyslot(key.as_bytes());
         let addr = {
             let table = read(&self.table);
@@ -88,9 +107,10 @@ impl Shards {
             match at.checked_sub(1).map(|i| &table[i]) {
                 Some((_, last, addr)) if slot <= *last => addr.clone(),
                 _ => {
+                    self.refresh_soon();
                     return Err(Error::backend(format!(
                         "no primary of the cluster serves slot {slot} (of {key})"
-                    )))
+                    )));
                 }
             }
         };
@@ -101,47 +121,85 @@ impl Shards {
         Ok(lock(&self.nodes).entry(addr).or_insert(node).clone())
     }
 
-    /// After a call on a node: whether it was redirected (then the table is asked for again,
-    /// and the call is to be sent once more). Any other error of the node's (not of one
-    /// lease's own commands) may mean its slots moved: the table is asked for again, at most
-    /// every [`REFRESH_EVERY`].
-    pub(super) async fn redirected<T>(&self, result: &Result<T>) -> bool {
+    /// After a call on a node, made when the table's generation was `seen`: whether it was
+    /// redirected (`MOVED`): then a table newer than `seen` is waited for, and the call is to
+    /// be sent once more. Any other error of the node's (not of one lease's own commands) may
+    /// mean its slots moved: the table is asked for in the background, at most every
+    /// [`REFRESH_EVERY`].
+    pub(super) async fn redirected<T>(self: &Arc<Self>, result: &Result<T>, seen: u64) -> bool {
         let Err(e) = result else {
             return false;
         };
-        let moved = e.to_string().contains("MOVED");
-        if moved || !crate::backend::refused(e) {
-            self.refresh(moved).await;
+        if crate::backend::refused(e) {
+            return false;
         }
-        moved
+        if e.to_string().contains("MOVED ") {
+            self.refresh(seen).await;
+            return true;
+        }
+        self.refresh_soon();
+        false
     }
 
-    /// Asks the primaries for the slot table and keeps the first answer; `now` skips the rate
-    /// limit.
-    pub(super) async fn refresh(&self, now: bool) {
+    /// Asks for the table in the background, unless that was done less than
+    /// [`REFRESH_EVERY`] ago.
+    fn refresh_soon(self: &Arc<Self>) {
         {
             let mut last = lock(&self.refreshed);
-            if !now && last.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
+            if last.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
                 return;
             }
             *last = Some(Instant::now());
         }
-        let nodes: Vec<(String, RedisBackend)> = lock(&self.nodes)
+        let (this, seen) = (self.clone(), self.generation());
+        Rt::current().spawn(async move { this.refresh(seen).await });
+    }
+
+    /// Asks for the slot table unless one newer than generation `seen` came meanwhile: the
+    /// connected nodes first, then every other address known (the map's, the seeds, the
+    /// table's) on a connection of its own, until one answers.
+    async fn refresh(&self, seen: u64) {
+        let _one = self.refreshing.lock().await;
+        if self.generation() != seen {
+            return;
+        }
+        let known: Vec<(String, RedisBackend)> = lock(&self.nodes)
             .iter()
             .map(|(a, n)| (a.clone(), n.clone()))
             .collect();
-        for (addr, node) in nodes {
-            if !node.inner.client.is_connected() {
-                continue;
-            }
-            let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
-            if let Ok(table) = slots(&node, host).await {
-                let live: Vec<String> = table.iter().map(|(_, _, a)| a.clone()).collect();
-                *write(&self.table) = table;
-                // A primary that serves nothing any more (failed over, removed) is let go.
-                lock(&self.nodes).retain(|a, _| live.contains(a));
+        let (connected, idle): (Vec<_>, Vec<_>) = known
+            .into_iter()
+            .partition(|(_, n)| n.inner.client.is_connected());
+        for (addr, node) in &connected {
+            if self.adopt(addr, node).await {
                 return;
             }
+        }
+        let mut others: Vec<String> = idle.into_iter().map(|(a, _)| a).collect();
+        others.extend(self.seeds.iter().cloned());
+        others.extend(read(&self.table).iter().map(|(_, _, a)| a.clone()));
+        others.retain(|a| !connected.iter().any(|(c, _)| c == a));
+        others.dedup();
+        for addr in others {
+            if let Ok(node) = self.open(&addr, true).await {
+                if self.adopt(&addr, &node).await {
+                    lock(&self.nodes).entry(addr).or_insert(node);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Asks `node` (at `addr`) for the table and keeps it if it answers.
+    async fn adopt(&self, addr: &str, node: &RedisBackend) -> bool {
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+        match slots(node, host).await {
+            Ok(table) => {
+                *write(&self.table) = table;
+                self.generation.fetch_add(1, Ordering::AcqRel);
+                true
+            }
+            Err(_) => false,
         }
     }
 
@@ -180,7 +238,14 @@ impl Shards {
 
     /// Extends `leases` on the primaries that serve them, each primary's at once: a lease
     /// whose primary fails is `Failed` alone.
-    pub(super) async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Vec<Extended> {
+    pub(super) async fn extend(
+        self: &Arc<Self>,
+        leases: &[Lease<'_>],
+        terms: NodeTerms,
+    ) -> Vec<Extended> {
+        // A node that is not connected fails its leases at once: the watchdog's round (which
+        // waits for every node) is not held up by a dead primary's command timeout.
+        let terms = terms.fail_fast(true);
         let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
         let mut by_node: HashMap<String, (RedisBackend, Vec<usize>)> = HashMap::new();
         for (i, lease) in leases.iter().enumerate() {
@@ -229,7 +294,7 @@ impl Shards {
             }
         }
         if refresh {
-            self.refresh(false).await;
+            self.refresh_soon();
         }
         out.into_iter()
             .map(|e| e.unwrap_or_else(|| Extended::Failed(Error::backend("no reply"))))
