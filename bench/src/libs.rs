@@ -88,44 +88,9 @@ impl Clients {
     pub async fn cycle(&self, lib: Lib, key: &str, wait: bool) {
         match lib {
             Lib::Redlease | Lib::RedleaseFair | Lib::RedleaseDrop => {
-                let lock = self.redlease.lock(key);
-                let lock = if lib == Lib::RedleaseFair {
-                    lock.fair().expect("Redis serves fair locks")
-                } else {
-                    lock
-                };
-                let g = if wait {
-                    lock.acquire().await.expect("acquire")
-                } else {
-                    let g = lock.try_acquire().await.expect("acquire");
-                    g.expect("free key")
-                };
-                if lib == Lib::RedleaseDrop {
-                    drop(g);
-                } else {
-                    g.release().await.expect("release");
-                }
+                redlease_cycle(&self.redlease, lib, key, wait).await;
             }
-            Lib::FredRaw => {
-                let token = token();
-                let ok: Option<String> = self
-                    .fred
-                    .set(
-                        key,
-                        token.as_str(),
-                        Some(Expiration::PX(TTL.as_millis() as i64)),
-                        Some(SetOptions::NX),
-                        false,
-                    )
-                    .await
-                    .expect("SET NX");
-                assert!(ok.is_some(), "free key");
-                let _: i64 = self
-                    .script
-                    .evalsha(&self.fred, key, token.as_str())
-                    .await
-                    .expect("release");
-            }
+            Lib::FredRaw => fred_floor(&self.fred, &self.script, key).await,
             Lib::RedisRsRaw => {
                 let token = token();
                 let mut con = self.redis_rs.clone();
@@ -249,34 +214,52 @@ impl ClusterClients {
     pub async fn cycle(&self, lib: Lib, key: &str) {
         match lib {
             Lib::Redlease | Lib::RedleaseDrop => {
-                let g = self.redlease.lock(key).try_acquire().await;
-                let g = g.expect("acquire").expect("free key");
-                if lib == Lib::RedleaseDrop {
-                    drop(g);
-                } else {
-                    g.release().await.expect("release");
-                }
+                redlease_cycle(&self.redlease, lib, key, false).await;
             }
-            _ => {
-                let token = token();
-                let ok: Option<String> = self
-                    .fred
-                    .set(
-                        key,
-                        token.as_str(),
-                        Some(Expiration::PX(TTL.as_millis() as i64)),
-                        Some(SetOptions::NX),
-                        false,
-                    )
-                    .await
-                    .expect("SET NX");
-                assert!(ok.is_some(), "free key");
-                let _: i64 = self
-                    .script
-                    .evalsha(&self.fred, key, token.as_str())
-                    .await
-                    .expect("release");
-            }
+            _ => fred_floor(&self.fred, &self.script, key).await,
         }
     }
+}
+
+/// One redlease cycle of `key` by `lib` (plain or fair; explicit or drop release); with
+/// `wait`, the acquire waits for the lock, else the key is expected to be free.
+async fn redlease_cycle(locks: &redlease::LockManager, lib: Lib, key: &str, wait: bool) {
+    let lock = locks.lock(key);
+    let lock = if lib == Lib::RedleaseFair {
+        lock.fair().expect("Redis serves fair locks")
+    } else {
+        lock
+    };
+    let g = if wait {
+        lock.acquire().await.expect("acquire")
+    } else {
+        let g = lock.try_acquire().await.expect("acquire");
+        g.expect("free key")
+    };
+    if lib == Lib::RedleaseDrop {
+        drop(g);
+    } else {
+        g.release().await.expect("release");
+    }
+}
+
+/// The floor's cycle on fred (one server's client or a cluster client): `SET NX PX`, then the
+/// compare-and-delete script.
+async fn fred_floor(fred: &fred::clients::Client, script: &Script, key: &str) {
+    let token = token();
+    let ok: Option<String> = fred
+        .set(
+            key,
+            token.as_str(),
+            Some(Expiration::PX(TTL.as_millis() as i64)),
+            Some(SetOptions::NX),
+            false,
+        )
+        .await
+        .expect("SET NX");
+    assert!(ok.is_some(), "free key");
+    let _: i64 = script
+        .evalsha(fred, key, token.as_str())
+        .await
+        .expect("release");
 }

@@ -25,41 +25,45 @@ pub async fn w1(clients: &Clients, lib: Lib, dur: Duration, same: bool) -> f64 {
 /// its own, re-taking it every cycle). Returns cycles per second.
 pub async fn w2(clients: &Clients, lib: Lib, dur: Duration, same: bool) -> f64 {
     let keys = if same { 1 } else { 64 };
-    let done = Arc::new(AtomicU64::new(0));
-    let began = Instant::now();
-    let tasks: Vec<_> = (0..64)
-        .map(|t| {
-            let (clients, done) = (clients.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut n = 0u64;
-                while began.elapsed() < dur {
-                    clients
-                        .cycle(lib, &format!("w2:{t}:{}", n % keys), same)
-                        .await;
-                    n += 1;
-                }
-                done.fetch_add(n, Ordering::Relaxed);
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.expect("w2 task");
-    }
-    done.load(Ordering::Relaxed) as f64 / began.elapsed().as_secs_f64()
+    let clients = clients.clone();
+    sixty_four_tasks(dur, move |t, n| {
+        let clients = clients.clone();
+        async move {
+            clients
+                .cycle(lib, &format!("w2:{t}:{}", n % keys), same)
+                .await
+        }
+    })
+    .await
 }
 
 /// W7: W2's shape (64 tasks, distinct keys, one shared client) on a Redis Cluster. Returns
 /// cycles per second.
 pub async fn w7(clients: &ClusterClients, lib: Lib, dur: Duration) -> f64 {
+    let clients = clients.clone();
+    sixty_four_tasks(dur, move |t, n| {
+        let clients = clients.clone();
+        async move { clients.cycle(lib, &format!("w7:{t}:{}", n % 64)).await }
+    })
+    .await
+}
+
+/// 64 tasks each running `cycle(task, n)` for n = 0, 1, ... until `dur` has passed; cycles
+/// per second, all tasks together.
+async fn sixty_four_tasks<F, Fut>(dur: Duration, cycle: F) -> f64
+where
+    F: Fn(u64, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let done = Arc::new(AtomicU64::new(0));
     let began = Instant::now();
-    let tasks: Vec<_> = (0..64)
+    let tasks: Vec<_> = (0..64u64)
         .map(|t| {
-            let (clients, done) = (clients.clone(), done.clone());
+            let (cycle, done) = (cycle.clone(), done.clone());
             tokio::spawn(async move {
                 let mut n = 0u64;
                 while began.elapsed() < dur {
-                    clients.cycle(lib, &format!("w7:{t}:{}", n % 64)).await;
+                    cycle(t, n).await;
                     n += 1;
                 }
                 done.fetch_add(n, Ordering::Relaxed);
@@ -67,7 +71,7 @@ pub async fn w7(clients: &ClusterClients, lib: Lib, dur: Duration) -> f64 {
         })
         .collect();
     for t in tasks {
-        t.await.expect("w7 task");
+        t.await.expect("a task of 64");
     }
     done.load(Ordering::Relaxed) as f64 / began.elapsed().as_secs_f64()
 }
