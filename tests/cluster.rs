@@ -285,3 +285,118 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
         g.release().await.expect("release");
     }
 }
+
+/// A held lock's slot is migrated to another primary (`CLUSTER SETSLOT` and `MIGRATE`, as a
+/// resharding does) while its holder's watchdog keeps it and another client asks for it.
+/// During the migration the other client's call is answered `TRYAGAIN` before it runs (it
+/// declares the keys it may touch) and is sent again; after it, calls follow the `MOVED` to
+/// the new owner. The holder keeps the lease throughout, the other client never gets it, and
+/// a waiter is woken by the release's message on the new owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
+    let cluster = RedisCluster::start(3, 0);
+    let name = cluster.names_per_primary("redlease:", "moving")[0].clone();
+    let holder = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(3))).await;
+    let other = manager(&cluster, patient()).await;
+    let key = holder.lock(&name).key().as_str().to_owned();
+    let src = cluster.owner(&key, 0);
+    let dst = (src + 1) % 3;
+    let id = |i: usize| {
+        cluster.nodes[i]
+            .cmd(&["CLUSTER", "MYID"])
+            .as_str()
+            .expect("MYID")
+    };
+    let (src_id, dst_id) = (id(src), id(dst));
+    let slot = cluster.nodes[src]
+        .cmd(&["CLUSTER", "KEYSLOT", &key])
+        .as_int()
+        .expect("KEYSLOT")
+        .to_string();
+    let held = holder
+        .lock(&name)
+        .try_acquire()
+        .await
+        .expect("acquire")
+        .expect("free");
+
+    let ok = |r: support::Resp| assert!(r.is_ok(), "{r:?}");
+    ok(cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]));
+    ok(cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]));
+    let asking = {
+        let lock = other.lock(&name);
+        tokio::spawn(async move { lock.try_acquire().await })
+    };
+    let tryagain = |srv: &support::RedisServer| {
+        srv.info_field("errorstats", "errorstat_TRYAGAIN")
+            .is_some_and(|c| c != "count=0")
+    };
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || tryagain(&cluster.nodes[src])).await,
+        "a call on the migrating slot was answered TRYAGAIN"
+    );
+    let keys = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    let keys: Vec<String> = keys
+        .as_array()
+        .expect("GETKEYSINSLOT")
+        .iter()
+        .filter_map(|k| k.as_str())
+        .collect();
+    assert!(keys.contains(&key), "{keys:?}");
+    let port = cluster.nodes[dst].port().to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().map(String::as_str));
+    ok(cluster.nodes[src].cmd(&migrate));
+    for node in &cluster.nodes {
+        ok(node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]));
+    }
+
+    let answer = asking.await.expect("task");
+    assert!(
+        matches!(answer, Ok(None)),
+        "the other client's call during the migration: {answer:?}"
+    );
+    assert!(
+        support::held(&cluster.nodes[dst], &key),
+        "the lease moved with its slot"
+    );
+    let rounds = holder.watchdog_stats().rounds;
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || holder.watchdog_stats().rounds
+            >= rounds + 4)
+        .await,
+        "the watchdog kept going"
+    );
+    assert!(
+        !held.is_lost(),
+        "the holder kept its lease across the migration"
+    );
+    assert!(other
+        .lock(&name)
+        .try_acquire()
+        .await
+        .expect("try")
+        .is_none());
+
+    let waiter = {
+        let lock = other.lock(&name);
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await })
+    };
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || support::field(
+            &cluster.nodes[dst],
+            &key,
+            "w"
+        )
+        .is_some())
+        .await,
+        "the waiter registered on the new owner"
+    );
+    let first = held.fencing_token();
+    held.release().await.expect("release");
+    let next = waiter
+        .await
+        .expect("task")
+        .expect("the waiter was woken by the release's message");
+    assert!(next.fencing_token() > first);
+}

@@ -25,21 +25,23 @@ use crate::runtime::{in_tokio, Rt};
 use crate::token::LeaseKey;
 
 /// On a cluster (`$self.shards`), runs `$call` on the backend of the primary that serves
-/// `$key`, bound to `$node`, and returns its result from the enclosing function; once more,
-/// on the new owner, after a redirection (a redirected call ran nothing). Elsewhere, does
-/// nothing: the caller goes on to serve the call itself.
+/// `$key`, bound to `$node`, and returns its result from the enclosing function; again after
+/// a redirection or a slot migration's `TRYAGAIN` (such a call ran nothing; see
+/// `Shards::redirected`). Elsewhere, does nothing: the caller goes on to serve the call.
 macro_rules! on_shard {
     ($self:ident, $key:expr, |$node:ident| $call:expr) => {
         if let Some(shards) = &$self.shards {
-            // Boxed: the node's call is this same function (on a backend with no shards).
-            let seen = shards.generation();
-            let $node = shards.node($key).await?;
-            let first = Box::pin($call).await;
-            if !shards.redirected(&first, seen).await {
-                return first;
+            let mut tries = 0;
+            loop {
+                let seen = shards.generation();
+                let $node = shards.node($key).await?;
+                // Boxed: the node's call is this same function (on a backend with no shards).
+                let result = Box::pin($call).await;
+                tries += 1;
+                if !shards.redirected(&result, seen, tries).await {
+                    return result;
+                }
             }
-            let $node = shards.node($key).await?;
-            return Box::pin($call).await;
         }
     };
 }
@@ -212,6 +214,24 @@ impl RedisBackend {
         self.inner.pubsub.by_message()
     }
 
+    /// The keys of a lock script's call: the locks' `keys`, and on a cluster the keys beside
+    /// each (see [`keys::BESIDE`]).
+    fn declared(&self, mut keys: Vec<Key>) -> Vec<Key> {
+        if self.inner.clustered {
+            let beside: Vec<Key> = keys
+                .iter()
+                .filter_map(|k| k.as_str())
+                .flat_map(|k| {
+                    keys::BESIDE
+                        .iter()
+                        .map(move |s| Key::from(format!("{k}:{s}")))
+                })
+                .collect();
+            keys.extend(beside);
+        }
+        keys
+    }
+
     /// The backend that serves `key`: on a cluster, its primary's; elsewhere this one.
     pub(super) async fn serving(&self, key: &str) -> Result<RedisBackend> {
         match &self.shards {
@@ -314,7 +334,7 @@ impl Backend for RedisBackend {
         on_shard!(self, key.as_str(), |node| node.inspect(key));
         let keys: Vec<Key> = vec![key.as_str().into()];
         let reply: Vec<Value> = self
-            .eval(&self.inner.scripts.inspect, keys, Vec::new())
+            .eval(&self.inner.scripts.inspect, self.declared(keys), Vec::new())
             .await?;
         let [pttl, fence, label, queued, owners] = <[Value; 5]>::try_from(reply)
             .map_err(|r| Error::backend(format!("inspect script returned {} values", r.len())))?;

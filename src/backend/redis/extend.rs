@@ -34,8 +34,9 @@ impl RedisBackend {
             .into_iter()
             .map(|idx| async move {
                 let (keys, args) = lease_args(leases, &idx, min_uptime);
-                let reply: Result<Vec<Value>> =
-                    self.eval(&self.inner.scripts.extend, keys, args).await;
+                let reply: Result<Vec<Value>> = self
+                    .eval(&self.inner.scripts.extend, self.declared(keys), args)
+                    .await;
                 (idx, reply)
             });
         let reign_calls = self
@@ -44,7 +45,11 @@ impl RedisBackend {
             .map(|idx| async move {
                 let (keys, args) = lease_args(leases, &idx, min_uptime);
                 let reply: Result<Vec<Value>> = self
-                    .eval(&self.inner.scripts.reentrant_extend, keys, args)
+                    .eval(
+                        &self.inner.scripts.reentrant_extend,
+                        self.declared(keys),
+                        args,
+                    )
                     .await;
                 (idx, reply)
             });

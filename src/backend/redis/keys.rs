@@ -37,7 +37,8 @@
 //!
 //! Only the record's key is passed to the scripts; they derive the names beside it (with the
 //! suffixes above) when a rare path needs them. All share the `{name}` hash tag, so a script
-//! stays in one slot on a cluster.
+//! stays in one slot on a cluster; there a call also declares those names (after the locks'
+//! keys, see [`BESIDE`]), so that a slot being migrated is answered before the script runs.
 //!
 //! Fencing tokens never go backwards: each grant mints at least last + 1 and at least the
 //! server's clock in microseconds, so a restarted server without persistence (or a record
@@ -83,6 +84,12 @@ impl Part {
 pub(super) fn part(key: &LeaseKey, part: Part) -> String {
     key.derived(part.suffix())
 }
+
+/// The keys beside a lock's record that the lock scripts reach (they derive the names in Lua).
+/// On a cluster a call declares them too, after the locks' keys: a call on a slot being
+/// migrated is then answered `ASK` or `TRYAGAIN` before anything runs, instead of failing
+/// halfway at a key that has moved.
+pub(super) const BESIDE: [&str; 5] = ["abandoned", "queue", "timeouts", "owners", "holds"];
 
 /// The key of the cache's failed round `round`.
 pub(super) fn failed(key: &LeaseKey, round: u64) -> String {

@@ -205,7 +205,9 @@ impl RedisBackend {
                 claim.token.label().unwrap_or_default().into(),
             ]);
         }
-        let reply: Vec<Value> = self.eval(&self.inner.scripts.acquire, keys, args).await?;
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.acquire, self.declared(keys), args)
+            .await?;
         pairs(reply, ops)
     }
 
@@ -228,7 +230,7 @@ impl RedisBackend {
             ]);
         }
         let reply: Vec<Value> = self
-            .eval(&self.inner.scripts.fair_acquire, keys, args)
+            .eval(&self.inner.scripts.fair_acquire, self.declared(keys), args)
             .await?;
         pairs(reply, ops)
     }
@@ -250,7 +252,9 @@ impl RedisBackend {
             keys.push(key.as_str().into());
             args.extend([token.as_str().into(), ms(*tombstone).into()]);
         }
-        let reply: Vec<Value> = self.eval(&self.inner.scripts.release, keys, args).await?;
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.release, self.declared(keys), args)
+            .await?;
         Ok(ops
             .iter()
             .zip(reply)
@@ -306,7 +310,11 @@ impl RedisBackend {
             hold.label().unwrap_or_default().into(),
         ];
         let reply: Vec<Value> = self
-            .eval(&self.inner.scripts.reentrant_acquire, keys, args)
+            .eval(
+                &self.inner.scripts.reentrant_acquire,
+                self.declared(keys),
+                args,
+            )
             .await?;
         let int = |v: Option<&Value>| v.and_then(Value::as_i64);
         match (int(reply.first()), reply.len()) {
@@ -348,7 +356,11 @@ impl RedisBackend {
             tombstone.into(),
         ];
         let reply: Vec<i64> = self
-            .eval(&self.inner.scripts.reentrant_release, keys, args)
+            .eval(
+                &self.inner.scripts.reentrant_release,
+                self.declared(keys),
+                args,
+            )
             .await?;
         match reply.as_slice() {
             [1, left] => Ok(Some(u32::try_from(*left).unwrap_or(0))),
@@ -377,7 +389,11 @@ impl RedisBackend {
         on_shard!(self, key.as_str(), |node| node.force_release(key));
         let keys: Vec<Key> = vec![key.as_str().into()];
         let deleted: i64 = self
-            .eval(&self.inner.scripts.force_release, keys, Vec::<Value>::new())
+            .eval(
+                &self.inner.scripts.force_release,
+                self.declared(keys),
+                Vec::<Value>::new(),
+            )
             .await?;
         Ok(deleted > 0)
     }

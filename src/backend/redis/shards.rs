@@ -35,6 +35,13 @@ use crate::runtime::{in_tokio, Rt};
 /// call for it; one refresh tells where its slots went).
 const REFRESH_EVERY: Duration = Duration::from_millis(100);
 
+/// How often a call is sent at most: again after a redirection, or after a `TRYAGAIN` or
+/// `ASK` while its slot is migrated (each after [`MIGRATING_PAUSE`]).
+const MAX_TRIES: usize = 40;
+
+/// How long a call waits before it is sent again to a slot being migrated.
+const MIGRATING_PAUSE: Duration = Duration::from_millis(25);
+
 /// The primaries of a cluster and the slots each serves.
 pub(super) struct Shards {
     /// The cluster's settings (credentials, TLS, timeouts), made into one node's by
@@ -121,20 +128,36 @@ impl Shards {
         Ok(lock(&self.nodes).entry(addr).or_insert(node).clone())
     }
 
-    /// After a call on a node, made when the table's generation was `seen`: whether it was
-    /// redirected (`MOVED`): then a table newer than `seen` is waited for, and the call is to
-    /// be sent once more. Any other error of the node's (not of one lease's own commands) may
+    /// After a call on a node, made when the table's generation was `seen`: whether it is to
+    /// be sent again, none of it having run. `MOVED`: once a table newer than `seen` is there.
+    /// `TRYAGAIN` or `ASK` (its slot is being migrated; the call declares every key it may
+    /// touch, so Redis answers before running it): after [`MIGRATING_PAUSE`], by when the
+    /// migration may be done (then `MOVED` follows). Any other error of the node's (not of one lease's own commands) may
     /// mean its slots moved: the table is asked for in the background, at most every
     /// [`REFRESH_EVERY`].
-    pub(super) async fn redirected<T>(self: &Arc<Self>, result: &Result<T>, seen: u64) -> bool {
+    /// `tries`: how often the call was sent (at most [`MAX_TRIES`]).
+    pub(super) async fn redirected<T>(
+        self: &Arc<Self>,
+        result: &Result<T>,
+        seen: u64,
+        tries: usize,
+    ) -> bool {
         let Err(e) = result else {
             return false;
         };
+        if tries >= MAX_TRIES {
+            return false;
+        }
         if crate::backend::refused(e) {
             return false;
         }
-        if e.to_string().contains("MOVED ") {
+        let text = e.to_string();
+        if text.contains("MOVED ") {
             self.refresh(seen).await;
+            return true;
+        }
+        if text.contains("TRYAGAIN") || text.contains("ASK ") {
+            crate::runtime::sleep(MIGRATING_PAUSE).await;
             return true;
         }
         self.refresh_soon();

@@ -48,7 +48,8 @@ local function attempt(i)
 end
 
 local out = {}
-for i = 0, #KEYS - 1 do
+-- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
+for i = 0, #ARGV / 7 - 1 do
   out[2 * i + 1], out[2 * i + 2] = each(attempt, i)
 end
 return out

@@ -49,7 +49,8 @@ local function release(i)
 end
 
 local out = {}
-for i = 0, #KEYS - 1 do
+-- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
+for i = 0, #ARGV / 2 - 1 do
   local code, err = each(function(j) return release(j), nil end, i)
   out[i + 1] = err or code
 end
