@@ -128,14 +128,14 @@ impl Shards {
         Ok(lock(&self.nodes).entry(addr).or_insert(node).clone())
     }
 
-    /// After a call on a node, made when the table's generation was `seen`: whether it is to
-    /// be sent again, none of it having run. `MOVED`: once a table newer than `seen` is there.
-    /// `TRYAGAIN` or `ASK` (its slot is being migrated; the call declares every key it may
-    /// touch, so Redis answers before running it): after [`MIGRATING_PAUSE`], by when the
-    /// migration may be done (then `MOVED` follows). Any other error of the node's (not of one lease's own commands) may
+    /// After a call on a node, made when the table's generation was `seen` and sent `tries`
+    /// times: whether it is to be sent again (at most [`MAX_TRIES`] times), none of it having
+    /// run. `MOVED`: once a table newer than `seen` is there. `TRYAGAIN` or `ASK` (its slot is
+    /// being migrated; the call declares every key it may touch, so Redis answers before
+    /// running it): after [`MIGRATING_PAUSE`], by when the migration may be done (then
+    /// `MOVED` follows). Any other error of the node's (not of one lease's own commands) may
     /// mean its slots moved: the table is asked for in the background, at most every
     /// [`REFRESH_EVERY`].
-    /// `tries`: how often the call was sent (at most [`MAX_TRIES`]).
     pub(super) async fn redirected<T>(
         self: &Arc<Self>,
         result: &Result<T>,
