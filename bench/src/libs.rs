@@ -55,18 +55,7 @@ pub struct Clients {
 impl Clients {
     /// Clients of the single node at `url`.
     pub async fn connect(url: &str) -> Clients {
-        let backend = redlease::RedisBackend::connect(url)
-            .await
-            .expect("redlease connects");
-        let opts = redlease::LockOptions::new().ttl(TTL);
-        let redlease = redlease::LockManager::with_options(backend, opts).expect("options");
-        let config = fred::types::config::Config::from_url(url).expect("url");
-        let fred = fred::types::Builder::from_config(config)
-            .build()
-            .expect("fred client");
-        fred.init().await.expect("fred connects");
-        let script = Script::from_lua(COMPARE_AND_DELETE);
-        script.load(&fred).await.expect("script loads");
+        let (redlease, fred, script) = redlease_and_fred(url).await;
         let redis_rs = redis::Client::open(url)
             .expect("redis-rs url")
             .get_multiplexed_async_connection()
@@ -190,18 +179,7 @@ pub struct ClusterClients {
 impl ClusterClients {
     /// Clients of the cluster at `url` (`redis-cluster://`).
     pub async fn connect(url: &str) -> ClusterClients {
-        let backend = redlease::RedisBackend::connect(url)
-            .await
-            .expect("redlease connects to the cluster");
-        let opts = redlease::LockOptions::new().ttl(TTL);
-        let redlease = redlease::LockManager::with_options(backend, opts).expect("options");
-        let config = fred::types::config::Config::from_url(url).expect("url");
-        let fred = fred::types::Builder::from_config(config)
-            .build()
-            .expect("fred client");
-        fred.init().await.expect("fred connects");
-        let script = Script::from_lua(COMPARE_AND_DELETE);
-        script.load(&fred).await.expect("script loads");
+        let (redlease, fred, script) = redlease_and_fred(url).await;
         ClusterClients {
             redlease,
             fred,
@@ -219,6 +197,24 @@ impl ClusterClients {
             _ => fred_floor(&self.fred, &self.script, key).await,
         }
     }
+}
+
+/// A lock manager on `url` (one server or a cluster), and the floor's fred client with its
+/// compare-and-delete script loaded (on every primary of a cluster).
+async fn redlease_and_fred(url: &str) -> (redlease::LockManager, fred::clients::Client, Script) {
+    let backend = redlease::RedisBackend::connect(url)
+        .await
+        .expect("redlease connects");
+    let opts = redlease::LockOptions::new().ttl(TTL);
+    let redlease = redlease::LockManager::with_options(backend, opts).expect("options");
+    let config = fred::types::config::Config::from_url(url).expect("url");
+    let fred = fred::types::Builder::from_config(config)
+        .build()
+        .expect("fred client");
+    fred.init().await.expect("fred connects");
+    let script = Script::from_lua(COMPARE_AND_DELETE);
+    script.load(&fred).await.expect("script loads");
+    (redlease, fred, script)
 }
 
 /// One redlease cycle of `key` by `lib` (plain or fair; explicit or drop release); with
