@@ -6,7 +6,9 @@ mod support;
 
 use std::time::Duration;
 
-use redlease::{LockManager, LockOptions, Owner, RedisBackend, RedisOptions, RetryPolicy};
+use redlease::{
+    LockGuard, LockManager, LockOptions, Owner, RedisBackend, RedisOptions, RetryPolicy,
+};
 use support::RedisCluster;
 
 /// A long fallback re-check: a waiter that gets the lock well before it was woken by the
@@ -24,6 +26,32 @@ async fn backend(cluster: &RedisCluster) -> RedisBackend {
 
 async fn manager(cluster: &RedisCluster, options: LockOptions) -> LockManager {
     LockManager::with_options(backend(cluster).await, options).expect("options")
+}
+
+/// Releases `held` once `waiter` (another manager's waiting acquire of the same lock) has
+/// registered for the release's message on `node`, the owner of `key`, and returns what the
+/// waiter got: it is woken by that message (its fallback re-check is far away), with a
+/// larger fencing token.
+async fn hand_over(
+    node: &support::RedisServer,
+    key: &str,
+    held: LockGuard,
+    waiter: tokio::task::JoinHandle<redlease::Result<LockGuard>>,
+) -> LockGuard {
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || support::field(node, key, "w")
+            .is_some())
+        .await,
+        "{key}: the waiter registered"
+    );
+    let first = held.fencing_token();
+    held.release().await.expect("release");
+    let next = waiter
+        .await
+        .expect("task")
+        .unwrap_or_else(|e| panic!("{key}: the waiter was not woken: {e}"));
+    assert!(next.fencing_token() > first, "{key}");
+    next
 }
 
 fn patient() -> LockOptions {
@@ -58,22 +86,9 @@ async fn locks_on_every_shard_exclude_and_wake_their_waiters() {
             let lock = b.lock(name);
             tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await })
         };
-        // The waiter has registered for the release's message.
         let key = a.lock(name).key().as_str().to_owned();
         let owner = &cluster.nodes[cluster.owner(&key, 0)];
-        assert!(
-            support::wait_for_async(Duration::from_secs(10), || support::field(owner, &key, "w")
-                .is_some())
-            .await,
-            "{name}: the waiter registered"
-        );
-        let first = held.fencing_token();
-        held.release().await.expect("release");
-        let next = waiter
-            .await
-            .expect("task")
-            .unwrap_or_else(|e| panic!("{name}: the waiter was not woken: {e}"));
-        assert!(next.fencing_token() > first, "{name}");
+        let next = hand_over(owner, &key, held, waiter).await;
         next.release().await.expect("release");
     }
 }
@@ -382,21 +397,7 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
         let lock = other.lock(&name);
         tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await })
     };
-    assert!(
-        support::wait_for_async(Duration::from_secs(10), || support::field(
-            &cluster.nodes[dst],
-            &key,
-            "w"
-        )
-        .is_some())
-        .await,
-        "the waiter registered on the new owner"
-    );
-    let first = held.fencing_token();
-    held.release().await.expect("release");
-    let next = waiter
-        .await
-        .expect("task")
-        .expect("the waiter was woken by the release's message");
-    assert!(next.fencing_token() > first);
+    // The waiter registers on the new owner and is woken there.
+    let next = hand_over(&cluster.nodes[dst], &key, held, waiter).await;
+    next.release().await.expect("release");
 }

@@ -2,12 +2,15 @@
 //! joined by `redis-cli --cluster create`, killed on drop (its nodes are [`RedisServer`]s).
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::server::RedisServer;
+use super::wait_for_interval;
 
 /// How long the nodes may take to agree that the cluster is up.
 const READY: Duration = Duration::from_secs(20);
+/// How often the nodes are asked meanwhile.
+const POLL: Duration = Duration::from_millis(20);
 
 /// A cluster of primaries (and their replicas), for tests.
 pub struct RedisCluster {
@@ -64,29 +67,23 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes, primaries };
         cluster.wait_ok(&(0..cluster.nodes.len()).collect::<Vec<_>>());
         // Every replica has synced with its primary.
-        let began = Instant::now();
-        while !cluster.nodes.iter().all(|n| {
-            let role = n.info_field("replication", "role").unwrap_or_default();
-            role != "slave"
-                || n.info_field("replication", "master_link_status").as_deref() == Some("up")
-        }) {
-            assert!(
-                began.elapsed() < READY,
-                "support: the replicas did not sync within {READY:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let synced = wait_for_interval(READY, POLL, || {
+            cluster.nodes.iter().all(|n| {
+                let role = n.info_field("replication", "role").unwrap_or_default();
+                role != "slave"
+                    || n.info_field("replication", "master_link_status").as_deref() == Some("up")
+            })
+        });
+        assert!(
+            synced,
+            "support: the replicas did not sync within {READY:?}"
+        );
         cluster
     }
 
     /// The URL of the cluster, naming every primary.
     pub fn url(&self) -> String {
-        let mut url = format!("redis-cluster://127.0.0.1:{}", self.nodes[0].port());
-        for (i, n) in self.nodes[1..self.primaries].iter().enumerate() {
-            url.push(if i == 0 { '?' } else { '&' });
-            url.push_str(&format!("node=127.0.0.1:{}", n.port()));
-        }
-        url
+        self.url_of(&(0..self.primaries).collect::<Vec<_>>())
     }
 
     /// A URL naming only the nodes `which` (the backend learns the others from them).
@@ -133,20 +130,12 @@ impl RedisCluster {
 
     /// Waits until the nodes `which` all report `cluster_state:ok`.
     pub fn wait_ok(&self, which: &[usize]) {
-        let began = Instant::now();
-        loop {
-            let ok = which
+        let ok = wait_for_interval(READY, POLL, || {
+            which
                 .iter()
-                .all(|&i| self.nodes[i].info_cluster().contains("cluster_state:ok"));
-            if ok {
-                return;
-            }
-            assert!(
-                began.elapsed() < READY,
-                "support: the cluster did not come up within {READY:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+                .all(|&i| self.nodes[i].info_cluster().contains("cluster_state:ok"))
+        });
+        assert!(ok, "support: the cluster did not come up within {READY:?}");
     }
 
     /// Lock names, one per primary (`names[i]`'s slot is served by primary `i`), made from

@@ -201,8 +201,11 @@ impl Shards {
         let mut others: Vec<String> = idle.into_iter().map(|(a, _)| a).collect();
         others.extend(self.seeds.iter().cloned());
         others.extend(read(&self.table).iter().map(|(_, _, a)| a.clone()));
-        others.retain(|a| !connected.iter().any(|(c, _)| c == a));
-        others.dedup();
+        // Each address once (the same node may be in the map, among the seeds and in the
+        // table), and none already asked above.
+        let mut asked: std::collections::HashSet<String> =
+            connected.iter().map(|(a, _)| a.clone()).collect();
+        others.retain(|a| asked.insert(a.clone()));
         for addr in others {
             if let Ok(node) = self.open(&addr, true).await {
                 if self.adopt(&addr, &node).await {
