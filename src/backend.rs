@@ -458,6 +458,22 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// [`Extended::Failed`], and `Err` is for a call that reached no lease at all.
     async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>>;
 
+    /// Which independent part of the store serves `key`: the watchdog extends each part's
+    /// leases in a call of its own and applies each call's answer as it comes, so a slow or
+    /// unreachable part (a paused primary of a cluster) delays and fails only its own leases.
+    /// One part (`0`, the default) for a store whose calls succeed or fail together.
+    ///
+    /// ```
+    /// use redlease::backend::Backend;
+    /// use redlease::{LeaseKey, MemoryBackend};
+    /// let b = MemoryBackend::new();
+    /// assert_eq!(b.extend_group(&LeaseKey::new("t:", "a")), b.extend_group(&LeaseKey::new("t:", "b")));
+    /// ```
+    fn extend_group(&self, key: &LeaseKey) -> u64 {
+        let _ = key;
+        0
+    }
+
     /// Gives `claim` back (see [`Release`]). Returns `Some(left)` when the claim held the
     /// lease, `left` being the holds still on it (0: the lease is deleted; always 0 but for
     /// reentrant claims), also for a replayed release of a confirmed claim; `None` when it
@@ -495,6 +511,10 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
 
     async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
         (**self).extend(leases, terms).await
+    }
+
+    fn extend_group(&self, key: &LeaseKey) -> u64 {
+        (**self).extend_group(key)
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {

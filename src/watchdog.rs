@@ -150,6 +150,8 @@ struct Entry {
     state: Arc<LeaseState>,
     /// The maximum hold's end (see `LockOptions::max_hold`): no extension reaches past it.
     hold_until: Option<Instant>,
+    /// An extension of it is on its way: it is not sent again until that one is answered.
+    in_flight: bool,
 }
 
 #[derive(Default)]
@@ -362,6 +364,7 @@ impl Watchdog {
                 next_due,
                 state,
                 hold_until,
+                in_flight: false,
             },
         );
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
@@ -403,6 +406,8 @@ struct Due {
     key: LeaseKey,
     token: Token,
     ttl: Duration,
+    /// The lease's deadline when it was sent.
+    deadline: Instant,
 }
 
 /// Owned by the watchdog task: clears `running` when the task ends for any reason (its
@@ -426,14 +431,28 @@ impl Drop for Running {
 /// time does not start a task per lease.
 const LINGER: Duration = Duration::from_secs(10);
 
+/// An extension call on its way: the leases it carries and when it was sent.
+type Call = futures::future::BoxFuture<'static, Answered>;
+
+/// An extension call's answer: `None` if a lease's deadline came first.
+struct Answered {
+    due: Vec<Due>,
+    started: Instant,
+    result: Option<crate::Result<Vec<Extended>>>,
+}
+
+/// The watchdog task. Each round takes the leases due, sends them in one call per part of
+/// the store ([`Backend::extend_group`]), and goes on: each call's answer is applied when it
+/// comes, while the next leases fall due and are sent, so a part that does not answer (a
+/// paused primary) holds up only its own leases, which are not sent again meanwhile.
 async fn run(running: Running) {
     let shared = &running.shared;
     let mut idle_since: Option<Instant> = None;
+    let mut calls: futures::stream::FuturesUnordered<Call> = Default::default();
     loop {
         let wake = shared.wake.listen();
         let now = Instant::now();
         let mut due = Vec::new();
-        let mut earliest_deadline: Option<Instant> = None;
         let next_wake = {
             let mut reg = shared.registry();
             let before = reg.entries.len();
@@ -449,12 +468,14 @@ async fn run(running: Running) {
                 !lost
             });
             reg.stats.lost += (before - reg.entries.len()) as u64;
-            match reg.entries.values().map(|e| e.next_due).min() {
-                None => {
+            let waiting = reg.entries.values().filter(|e| !e.in_flight);
+            match waiting.map(|e| e.next_due).min() {
+                None if reg.entries.is_empty() => {
                     let since = *idle_since.get_or_insert(now);
                     if now >= since + LINGER {
                         // Cleared under the lock that saw the registry empty: a registration
-                        // after it starts a new task.
+                        // after it starts a new task. A call still on its way is dropped:
+                        // nobody holds its leases any more.
                         reg.running = None;
                         reg.wake_at = None;
                         return;
@@ -463,6 +484,13 @@ async fn run(running: Running) {
                     reg.wake_at = Some(since + LINGER);
                     since + LINGER
                 }
+                None => {
+                    // Every lease is on its way: their answers (or deadlines) wake the task.
+                    idle_since = None;
+                    let later = now + LINGER;
+                    reg.wake_at = Some(later);
+                    later
+                }
                 Some(first_due) => {
                     idle_since = None;
                     // A round starts when the first lease is due, and takes along every lease
@@ -470,7 +498,7 @@ async fn run(running: Running) {
                     // into the same round after their first extension.
                     if first_due <= now {
                         for (&id, e) in reg.entries.iter_mut() {
-                            if e.next_due <= now + e.interval / 2 {
+                            if !e.in_flight && e.next_due <= now + e.interval / 2 {
                                 // A capped hold gets extensions that end at the cap; once
                                 // too little is left, none, and the lease runs out.
                                 let left = e.hold_until.map(|u| u.saturating_duration_since(now));
@@ -483,14 +511,14 @@ async fn run(running: Running) {
                                     e.next_due = deadline;
                                     continue;
                                 }
+                                e.in_flight = true;
                                 due.push(Due {
                                     id,
                                     key: e.key.clone(),
                                     token: e.token.clone(),
                                     ttl: left.map_or(e.ttl, |l| e.ttl.min(l)),
+                                    deadline: e.state.deadline(),
                                 });
-                                let d = e.state.deadline();
-                                earliest_deadline = Some(earliest_deadline.map_or(d, |x| x.min(d)));
                             }
                         }
                     }
@@ -499,11 +527,40 @@ async fn run(running: Running) {
                 }
             }
         };
-        if due.is_empty() {
-            let timer = std::pin::pin!(runtime::sleep_until(next_wake));
-            future::select(wake, timer).await;
+        if !due.is_empty() {
+            let mut groups: HashMap<u64, Vec<Due>> = HashMap::new();
+            for d in due {
+                groups
+                    .entry((*shared.backend).extend_group(&d.key))
+                    .or_default()
+                    .push(d);
+            }
+            for group in groups.into_values() {
+                calls.push(Box::pin(call(shared.backend.clone(), group)));
+            }
             continue;
         }
+        let timer = std::pin::pin!(runtime::sleep_until(next_wake));
+        let wait = future::select(wake, timer);
+        if calls.is_empty() {
+            wait.await;
+            continue;
+        }
+        use futures::StreamExt;
+        if let future::Either::Left((Some(answered), _)) =
+            future::select(calls.next(), wait).await
+        {
+            apply(shared, answered);
+        }
+    }
+}
+
+/// Sends one part's due leases in one call, cut short at the earliest of their deadlines:
+/// the lost signal must not wait on a hung call.
+async fn call(backend: Arc<dyn Backend>, due: Vec<Due>) -> Answered {
+    let started = Instant::now();
+    let earliest = due.iter().map(|d| d.deadline).min();
+    let result = {
         let leases: Vec<Lease<'_>> = due
             .iter()
             .map(|d| Lease {
@@ -512,68 +569,82 @@ async fn run(running: Running) {
                 ttl: d.ttl,
             })
             .collect();
-        let started = Instant::now();
         let span = tracing::debug_span!("redlease.extend", leases = leases.len());
-        // Never wait on a hung call past a deadline: the lost signal must not be late.
-        let extending = (*shared.backend)
-            .extend(&leases, NodeTerms::new())
-            .instrument(span);
-        let result = runtime::until(earliest_deadline, extending).await;
-        crate::telemetry::watchdog_round(started.elapsed());
-        let mut reg = shared.registry();
-        reg.stats.rounds += 1;
-        match result {
-            Some(Ok(outcomes)) => {
-                let mut failed = 0;
-                let retry_at = Instant::now();
-                for (d, outcome) in due.iter().zip(outcomes) {
-                    let Some(e) = reg.entries.get_mut(&d.id) else {
-                        continue;
-                    };
-                    match outcome {
-                        Extended::Held(v) if e.state.confirm(started, v) => {
-                            e.next_due = started + e.interval;
-                            reg.stats.extended += 1;
-                        }
-                        Extended::Failed(err) => {
-                            // This lease's command failed, its neighbours' did not: only it is
-                            // tried again, and it is lost only at its deadline.
-                            e.state.unconfirmed(started, d.ttl);
-                            if failed == 0 {
-                                tracing::warn!(key = %d.key, error = %err, "lease extension failed; retrying");
-                            }
-                            failed += 1;
-                            e.next_due = retry_at + retry_after(e.interval);
-                        }
-                        _ => {
-                            // Refused, or confirmed only after the deadline had passed.
-                            let _span =
-                                tracing::info_span!("redlease.lost", key = %d.key).entered();
-                            tracing::warn!("lease lost: extension refused or too late");
-                            crate::telemetry::lost();
-                            e.state.mark_lost();
-                            reg.entries.remove(&d.id);
-                            reg.stats.lost += 1;
-                        }
+        let extending = (*backend).extend(&leases, NodeTerms::new()).instrument(span);
+        runtime::until(earliest, extending).await
+    };
+    crate::telemetry::watchdog_round(started.elapsed());
+    Answered {
+        due,
+        started,
+        result,
+    }
+}
+
+/// Applies one call's answer to the leases it carried (those still registered).
+fn apply(shared: &Shared, answered: Answered) {
+    let Answered {
+        due,
+        started,
+        result,
+    } = answered;
+    let mut reg = shared.registry();
+    reg.stats.rounds += 1;
+    for d in &due {
+        if let Some(e) = reg.entries.get_mut(&d.id) {
+            e.in_flight = false;
+        }
+    }
+    match result {
+        Some(Ok(outcomes)) => {
+            let mut failed = 0;
+            let retry_at = Instant::now();
+            for (d, outcome) in due.iter().zip(outcomes) {
+                let Some(e) = reg.entries.get_mut(&d.id) else {
+                    continue;
+                };
+                match outcome {
+                    Extended::Held(v) if e.state.confirm(started, v) => {
+                        e.next_due = started + e.interval;
+                        reg.stats.extended += 1;
                     }
-                }
-                if failed > 1 {
-                    tracing::warn!(leases = failed, "lease extensions failed; retrying");
-                }
-            }
-            failed => {
-                match failed {
-                    Some(Err(e)) => {
-                        tracing::warn!(error = %e, "watchdog extension failed; retrying")
-                    }
-                    _ => tracing::warn!("watchdog extension timed out at a lease deadline"),
-                }
-                let retry_at = Instant::now();
-                for d in &due {
-                    if let Some(e) = reg.entries.get_mut(&d.id) {
+                    Extended::Failed(err) => {
+                        // This lease's command failed, its neighbours' did not: only it is
+                        // tried again, and it is lost only at its deadline.
                         e.state.unconfirmed(started, d.ttl);
+                        if failed == 0 {
+                            tracing::warn!(key = %d.key, error = %err, "lease extension failed; retrying");
+                        }
+                        failed += 1;
                         e.next_due = retry_at + retry_after(e.interval);
                     }
+                    _ => {
+                        // Refused, or confirmed only after the deadline had passed.
+                        let _span = tracing::info_span!("redlease.lost", key = %d.key).entered();
+                        tracing::warn!("lease lost: extension refused or too late");
+                        crate::telemetry::lost();
+                        e.state.mark_lost();
+                        reg.entries.remove(&d.id);
+                        reg.stats.lost += 1;
+                    }
+                }
+            }
+            if failed > 1 {
+                tracing::warn!(leases = failed, "lease extensions failed; retrying");
+            }
+        }
+        failed => {
+            match failed {
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "watchdog extension failed; retrying")
+                }
+                _ => tracing::warn!("watchdog extension timed out at a lease deadline"),
+            }
+            let retry_at = Instant::now();
+            for d in &due {
+                if let Some(e) = reg.entries.get_mut(&d.id) {
+                    e.state.unconfirmed(started, d.ttl);
+                    e.next_due = retry_at + retry_after(e.interval);
                 }
             }
         }

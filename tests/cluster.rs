@@ -161,19 +161,43 @@ async fn fair_reentrant_inspect_and_fenced_writes_on_every_shard() {
     }
 }
 
+/// How a primary stops serving in [`one_primary_down`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Down {
+    /// Killed: its connections break, and its calls fail at once.
+    Killed,
+    /// Paused (SIGSTOP): its connections stay open, and its calls wait out the command
+    /// timeout, here longer than the TTL.
+    Paused,
+}
+
 /// One primary killed (no replica takes over; the other two keep serving their slots): the
 /// leases on the other shards are kept, extended round after round, and locks there can
 /// still be taken and released; the leases on the dead shard are reported lost, within their
 /// TTL. (On fred's cluster client every lease was lost: its one router stalled every shard
 /// while it could not reach the dead one.)
 ///
-/// With the default command timeout (2 s) against a 3 s TTL: a round of the watchdog does
-/// not wait for the dead primary's calls to time out.
+/// With the default command timeout (2 s) against a 3 s TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
+    one_primary_down(Down::Killed, RedisOptions::new()).await;
+}
+
+/// The same with the primary paused, and a command timeout (10 s) longer than the TTL: its
+/// calls hang. Each primary's leases are extended in a call of their own, applied as it is
+/// answered, so the hung call delays and fails only the paused shard's leases. (When one call
+/// carried every shard's leases, it was cut at the first lease's deadline and the leases on
+/// the healthy shards were lost with the others.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_primary_costs_only_the_leases_on_its_own_shard() {
+    let options = RedisOptions::new().command_timeout(Duration::from_secs(10));
+    one_primary_down(Down::Paused, options).await;
+}
+
+async fn one_primary_down(how: Down, options: RedisOptions) {
     let mut cluster = RedisCluster::start(3, 0);
     let ttl = Duration::from_secs(3);
-    let backend = RedisBackend::connect(&cluster.url())
+    let backend = RedisBackend::connect_with(&cluster.url(), options)
         .await
         .expect("connect");
     let locks = LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options");
@@ -191,9 +215,13 @@ async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
         ));
     }
     let dead = 0;
+    let healthy = guards.iter().filter(|(owner, _)| *owner != dead).count() as u64;
     let fresh = cluster.names_per_primary("redlease:", "fresh");
-    cluster.nodes[dead].kill();
-    let rounds = locks.watchdog_stats().rounds;
+    match how {
+        Down::Killed => cluster.nodes[dead].kill(),
+        Down::Paused => cluster.nodes[dead].pause(),
+    }
+    let extended = locks.watchdog_stats().extended;
     for (owner, guard) in &guards {
         if *owner == dead {
             tokio::time::timeout(ttl * 3, guard.lost())
@@ -201,12 +229,14 @@ async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
                 .expect("a lease on the dead shard is reported lost");
         }
     }
-    // Rounds enough to cover two TTLs after the kill: the leases elsewhere were extended.
+    // Extensions enough for every healthy lease over two TTLs after the stop (one per third
+    // of the TTL): the watchdog kept extending them.
     assert!(
-        support::wait_for_async(Duration::from_secs(20), || locks.watchdog_stats().rounds
-            >= rounds + 8)
+        support::wait_for_async(Duration::from_secs(20), || locks.watchdog_stats().extended
+            >= extended + healthy * 6)
         .await,
-        "the watchdog kept going"
+        "the watchdog kept extending the healthy shards' leases: {:?}",
+        locks.watchdog_stats()
     );
     for (owner, guard) in &guards {
         if *owner != dead {
@@ -225,10 +255,12 @@ async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
             .expect("free");
         g.release().await.expect("and its release");
     }
-    let on_dead = locks.lock(&fresh[0]).try_acquire().await;
+    // A paused primary answers nothing either: its call waits out the command timeout.
+    let on_dead =
+        tokio::time::timeout(Duration::from_secs(1), locks.lock(&fresh[0]).try_acquire()).await;
     assert!(
-        on_dead.is_err(),
-        "the dead shard answers nothing: {on_dead:?}"
+        !matches!(on_dead, Ok(Ok(_))),
+        "the {how:?} shard answers nothing: {on_dead:?}"
     );
 }
 

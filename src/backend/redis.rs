@@ -292,6 +292,12 @@ impl Backend for RedisBackend {
         self.extend_leases(leases, terms).await
     }
 
+    /// On a cluster, the primary serving `key` now: each primary's leases are extended in a
+    /// call of their own.
+    fn extend_group(&self, key: &LeaseKey) -> u64 {
+        self.shards.as_ref().map_or(0, |s| s.group(key.as_str()))
+    }
+
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
         on_shard!(self, claim.key.as_str(), |node| node.release(claim, how));
         let lease = match how {

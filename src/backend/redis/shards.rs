@@ -105,20 +105,35 @@ impl Shards {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// The address of the primary serving `key`'s slot now, if the table names one.
+    fn owner(&self, key: &str) -> std::result::Result<String, u16> {
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let table = read(&self.table);
+        let at = table.partition_point(|(first, _, _)| *first <= slot);
+        match at.checked_sub(1).map(|i| &table[i]) {
+            Some((_, last, addr)) if slot <= *last => Ok(addr.clone()),
+            _ => Err(slot),
+        }
+    }
+
+    /// A number naming the primary that serves `key` now (`u64::MAX`: none does), for
+    /// [`Backend::extend_group`](crate::backend::Backend::extend_group).
+    pub(super) fn group(&self, key: &str) -> u64 {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        type Fixed = BuildHasherDefault<std::collections::hash_map::DefaultHasher>;
+        self.owner(key)
+            .map_or(u64::MAX, |addr| Fixed::default().hash_one(addr))
+    }
+
     /// The backend of the primary serving `key` now (connected in the background if new).
     pub(super) async fn node(self: &Arc<Self>, key: &str) -> Result<RedisBackend> {
-        let slot = fred::util::redis_keyslot(key.as_bytes());
-        let addr = {
-            let table = read(&self.table);
-            let at = table.partition_point(|(first, _, _)| *first <= slot);
-            match at.checked_sub(1).map(|i| &table[i]) {
-                Some((_, last, addr)) if slot <= *last => addr.clone(),
-                _ => {
-                    self.refresh_soon();
-                    return Err(Error::backend(format!(
-                        "no primary of the cluster serves slot {slot} (of {key})"
-                    )));
-                }
+        let addr = match self.owner(key) {
+            Ok(addr) => addr,
+            Err(slot) => {
+                self.refresh_soon();
+                return Err(Error::backend(format!(
+                    "no primary of the cluster serves slot {slot} (of {key})"
+                )));
             }
         };
         if let Some(node) = lock(&self.nodes).get(&addr) {
@@ -269,8 +284,9 @@ impl Shards {
         leases: &[Lease<'_>],
         terms: NodeTerms,
     ) -> Vec<Extended> {
-        // A node that is not connected fails its leases at once: the watchdog's round (which
-        // waits for every node) is not held up by a dead primary's command timeout.
+        // A node that is not connected fails its leases at once, without waiting for its
+        // command timeout. (The watchdog sends each primary's leases in a call of their own,
+        // see `group`; a call with several primaries' waits for them all.)
         let terms = terms.fail_fast(true);
         let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
         let mut by_node: HashMap<String, (RedisBackend, Vec<usize>)> = HashMap::new();
