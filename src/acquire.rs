@@ -116,11 +116,12 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                 // Too few quorum members now (down, reconnecting, warming up): the wait goes
                 // on while it lasts, trying again after a pause of its own (no holder is there
                 // to wake it). Its clean-up stays armed: a silent member may have granted.
-                Err(Error::QuorumNotReached { acquired, required }) => {
+                // Or too few replicas acknowledged a grant (given back): the same.
+                Err(e @ (Error::QuorumNotReached { .. } | Error::NotAcknowledged { .. })) => {
                     if claim.unavailable.is_none() {
-                        tracing::warn!(key = %target.key, acquired, required, "quorum not reached; waiting on");
+                        tracing::warn!(key = %target.key, error = %e, "waiting on");
                     }
-                    claim.unavailable = Some((acquired, required));
+                    claim.unavailable = Some(e);
                     arriving = false;
                     // Backing off from min_delay to max_delay: an outage may be long.
                     let pause = jitter(unavailable_pause, 0.5);
@@ -193,9 +194,10 @@ struct Attempts<'a> {
     target: &'a Target<'a>,
     pending: PendingClaim,
     began: Instant,
-    /// The last attempt found too few quorum members (a waiting acquire goes on; if its wait
-    /// ends now, this is its error rather than a timeout).
-    unavailable: Option<(usize, usize)>,
+    /// The last attempt found too few quorum members, or too few replicas acknowledged its
+    /// grant (a waiting acquire goes on; if its wait ends now, this is its error rather than
+    /// a timeout).
+    unavailable: Option<Error>,
 }
 
 impl<'a> Attempts<'a> {
@@ -219,13 +221,9 @@ impl<'a> Attempts<'a> {
     }
 
     /// The error of a wait that ran out.
-    fn timeout(&self) -> Error {
-        match self.unavailable {
-            Some((acquired, required)) => Error::QuorumNotReached { acquired, required },
-            None => Error::Timeout {
-                waited: self.began.elapsed(),
-            },
-        }
+    fn timeout(&mut self) -> Error {
+        let waited = self.began.elapsed();
+        self.unavailable.take().unwrap_or(Error::Timeout { waited })
     }
 
     /// Sends one attempt and waits for its answer until `limit`.
@@ -312,7 +310,7 @@ impl<'a> Attempts<'a> {
         LockGuard::new(
             t.name.clone(),
             grant.fencing_token,
-            grant.hold_count,
+            (grant.hold_count, grant.replicas),
             kept,
             self.pending,
             sent,

@@ -24,7 +24,7 @@ pub(crate) mod values;
 pub use memory::MemoryBackend;
 #[cfg(feature = "tls")]
 pub use redis::TlsOptions;
-pub use redis::{FencedWrite, RedisBackend, RedisOptions};
+pub use redis::{FencedWrite, RedisBackend, RedisOptions, ReplicaAck};
 pub use redlock::{Redlock, RedlockOptions};
 pub use subscription::{Subscription, WakeUp};
 
@@ -180,6 +180,9 @@ pub struct Grant {
     pub lease: Token,
     /// For a reentrant hold, the owner's hold count, this hold included.
     pub hold_count: Option<u32>,
+    /// The replicas that acknowledged the grant, under a
+    /// [`ReplicaAck`](crate::ReplicaAck) policy; `None` when none applies.
+    pub replicas: Option<u32>,
 }
 
 impl Grant {
@@ -190,12 +193,26 @@ impl Grant {
             validity,
             lease,
             hold_count: None,
+            replicas: None,
         }
     }
 
     /// The same grant, for a reentrant hold counted `count`.
     pub fn with_hold_count(mut self, count: u32) -> Self {
         self.hold_count = Some(count);
+        self
+    }
+
+    /// The same grant, acknowledged by `count` replicas.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::{backend::Grant, Token};
+    /// let grant = Grant::new(7, Duration::from_secs(1), Token::random()).with_replicas(2);
+    /// assert_eq!(grant.replicas, Some(2));
+    /// ```
+    pub fn with_replicas(mut self, count: u32) -> Self {
+        self.replicas = Some(count);
         self
     }
 }

@@ -55,6 +55,20 @@ pub enum Error {
         /// The quorum: a majority of the nodes.
         required: usize,
     },
+    /// The primary granted the lease (or extended it) but too few replicas acknowledged the
+    /// write within the [`ReplicaAck`](crate::ReplicaAck) policy's timeout, so a failover
+    /// could lose it: a grant is given back (a waiting acquire waits on, trying again), an
+    /// extension counts as failed (tried again; the lease is lost at its deadline if none is
+    /// acknowledged).
+    #[error("not acknowledged by enough replicas: {why}")]
+    NotAcknowledged {
+        /// Replicas that acknowledged.
+        acked: u32,
+        /// Replicas the policy needs.
+        required: u32,
+        /// What was seen (the counts and the timeout, or a connection remade).
+        why: String,
+    },
     /// A cached value could not be computed here: the loader panicked or ran past its time
     /// limit, failed in another process (its message is kept), or its value could not be
     /// encoded or decoded. See [`Cache`](crate::Cache).

@@ -218,6 +218,8 @@ struct Held {
     name: Arc<str>,
     fence: u64,
     hold_count: Option<u32>,
+    /// The replicas that acknowledged the grant (see `ReplicaAck`).
+    replicas: Option<u32>,
     kept: Arc<Kept>,
     /// Set when this guard ends, so its `lost()` resolves then; made by the first `lost()`.
     done: OnceLock<Arc<Done>>,
@@ -282,7 +284,7 @@ impl LockGuard {
     pub(crate) fn new(
         name: Arc<str>,
         fence: u64,
-        hold_count: Option<u32>,
+        (hold_count, replicas): (Option<u32>, Option<u32>),
         kept: Arc<Kept>,
         release: PendingClaim,
         sent: Instant,
@@ -292,6 +294,7 @@ impl LockGuard {
                 name,
                 fence,
                 hold_count,
+                replicas,
                 kept,
                 done: OnceLock::new(),
                 release,
@@ -332,6 +335,22 @@ impl LockGuard {
     /// the largest count among the nodes that answered.
     pub fn hold_count(&self) -> Option<u32> {
         self.held().hold_count
+    }
+
+    /// How many replicas acknowledged this hold's grant before it was reported, under a
+    /// [`ReplicaAck`](crate::ReplicaAck) policy of a [`RedisBackend`](crate::RedisBackend)
+    /// (at least the policy's count); `None` when no policy applies (the default
+    /// `ReplicaAck::Off`, other stores, and over [`Redlock`](crate::Redlock)).
+    ///
+    /// ```
+    /// # futures::executor::block_on(async {
+    /// let locks = redlease::LockManager::new(redlease::MemoryBackend::new());
+    /// let guard = locks.lock("job").acquire().await?;
+    /// assert_eq!(guard.replicas_acked(), None); // no replicas in process memory
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub fn replicas_acked(&self) -> Option<u32> {
+        self.held().replicas
     }
 
     /// The fencing token of this hold: strictly greater than the token of every earlier hold

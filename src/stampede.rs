@@ -525,6 +525,15 @@ fn duplicate(e: &Arc<Error>) -> Error {
             acquired: *acquired,
             required: *required,
         },
+        Error::NotAcknowledged {
+            acked,
+            required,
+            why,
+        } => Error::NotAcknowledged {
+            acked: *acked,
+            required: *required,
+            why: why.clone(),
+        },
         Error::Backend { .. } => Error::backend(SharedError(e.clone())),
     }
 }

@@ -547,8 +547,7 @@ async fn run(running: Running) {
             continue;
         }
         use futures::StreamExt;
-        if let future::Either::Left((Some(answered), _)) =
-            future::select(calls.next(), wait).await
+        if let future::Either::Left((Some(answered), _)) = future::select(calls.next(), wait).await
         {
             apply(shared, answered);
         }
@@ -570,7 +569,9 @@ async fn call(backend: Arc<dyn Backend>, due: Vec<Due>) -> Answered {
             })
             .collect();
         let span = tracing::debug_span!("redlease.extend", leases = leases.len());
-        let extending = (*backend).extend(&leases, NodeTerms::new()).instrument(span);
+        let extending = (*backend)
+            .extend(&leases, NodeTerms::new())
+            .instrument(span);
         runtime::until(earliest, extending).await
     };
     crate::telemetry::watchdog_round(started.elapsed());

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use redlease::{
-    LockGuard, LockManager, LockOptions, Owner, RedisBackend, RedisOptions, RetryPolicy,
+    LockGuard, LockManager, LockOptions, Owner, RedisBackend, RedisOptions, ReplicaAck, RetryPolicy,
 };
 use support::RedisCluster;
 
@@ -264,6 +264,106 @@ async fn one_primary_down(how: Down, options: RedisOptions) {
     );
 }
 
+/// Replica acknowledgement on a cluster: each grant is reported once its primary's replica
+/// has it (`replicas_acked() == Some(1)`), and the watchdog's extensions are acknowledged too.
+/// The primary is killed right after, its replica promoted: the lock is still held there, so
+/// a second client does not get it (with acknowledgement off, a grant the replica had not yet
+/// received would be lost with the primary: tests/sentinel.rs shows that window). The other
+/// shards' leases, acknowledged by their own replicas, are kept; the failed-over shard has no
+/// replica left, so its holder's extensions cannot be acknowledged and its lease is lost,
+/// while the record it last extended keeps the lock from anyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_replica_acknowledgement_a_grant_outlives_its_primarys_failover() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let names = cluster.names_per_primary("redlease:", "acked");
+    let acked = RedisOptions::new()
+        .command_timeout(Duration::from_millis(500))
+        .replica_ack(ReplicaAck::replicas(1));
+    let backend = RedisBackend::connect_with(&cluster.url(), acked)
+        .await
+        .expect("connect");
+    let ttl = Duration::from_secs(3);
+    let locks = LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options");
+    let mut guards = Vec::new();
+    for name in &names {
+        let g = locks
+            .lock(name)
+            .try_acquire()
+            .await
+            .expect("acquire")
+            .expect("free");
+        assert_eq!(g.replicas_acked(), Some(1), "{name}: one replica has it");
+        guards.push(g);
+    }
+    // A round of acknowledged extensions for every lease.
+    let extended = locks.watchdog_stats().extended;
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || locks.watchdog_stats().extended
+            >= extended + names.len() as u64)
+        .await,
+        "extensions are acknowledged: {:?}",
+        locks.watchdog_stats()
+    );
+    let key = locks.lock(&names[0]).key().as_str().to_owned();
+    let before = cluster.owner(&key, 1);
+    cluster.nodes[before].kill();
+    let survivors: Vec<usize> = (0..cluster.nodes.len()).filter(|&i| i != before).collect();
+    cluster.wait_ok(&survivors);
+    assert!(
+        support::wait_for(Duration::from_secs(30), || cluster
+            .owner(&key, survivors[0])
+            != before),
+        "the replica was promoted"
+    );
+    let promoted = cluster.owner(&key, survivors[0]);
+    assert!(
+        support::held(&cluster.nodes[promoted], &key),
+        "the promoted replica holds the acknowledged grant"
+    );
+    // A second client, without acknowledgement: it never gets the lock while the first
+    // client's lease lives (its first calls may still go to the dead node and fail).
+    let other = LockManager::with_options(
+        backend_of(&cluster, &survivors).await,
+        LockOptions::new().ttl(ttl),
+    )
+    .expect("options");
+    let mut answered = false;
+    for _ in 0..100 {
+        match other.lock(&names[0]).try_acquire().await {
+            Ok(Some(g)) => panic!(
+                "a second holder (token {}) while the first holds {}",
+                g.fencing_token(),
+                guards[0].fencing_token()
+            ),
+            Ok(None) => {
+                answered = true;
+                break;
+            }
+            Err(_) => support::sleep_async(Duration::from_millis(50)).await,
+        }
+    }
+    assert!(answered, "the promoted replica answered");
+    tokio::time::timeout(ttl * 3, guards[0].lost())
+        .await
+        .expect("the failed-over shard's lease cannot be acknowledged: it is lost");
+    for g in &guards[1..] {
+        assert!(
+            !g.is_lost(),
+            "a lease on a shard that kept its replica was lost"
+        );
+    }
+}
+
+/// A backend without acknowledgement over the nodes `which` of `cluster`.
+async fn backend_of(cluster: &RedisCluster, which: &[usize]) -> RedisBackend {
+    RedisBackend::connect_with(
+        &cluster.url_of(which),
+        RedisOptions::new().command_timeout(Duration::from_millis(500)),
+    )
+    .await
+    .expect("connect to the cluster")
+}
+
 /// A primary killed, its replica promoted: the locks of that shard can be taken again on the
 /// new primary (the slot table is asked for again after the dead node's calls fail), while
 /// the other shards never stopped. The URL names only the primary that dies, and the backend
@@ -337,8 +437,12 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
 /// resharding does) while its holder's watchdog keeps it and another client asks for it.
 /// During the migration the other client's call is answered `TRYAGAIN` before it runs (it
 /// declares the keys it may touch) and is sent again; after it, calls follow the `MOVED` to
-/// the new owner. The holder keeps the lease throughout, the other client never gets it, and
-/// a waiter is woken by the release's message on the new owner.
+/// the new owner. The holder keeps the lease throughout, the other client never gets it. A
+/// waiter that subscribed to the lock's shard channel on the old owner before the move has
+/// its subscription moved to the new owner (Redis ends it on the old one, and fred drops
+/// that notice: the backend sees the slot move in its table), and is woken there by the
+/// release's message, as is a waiter that comes after the move (the fallback re-check is a
+/// minute away).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
     let cluster = RedisCluster::start(3, 0);
@@ -366,6 +470,23 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
         .await
         .expect("acquire")
         .expect("free");
+    // A waiter subscribed on the old owner before the move.
+    let early = {
+        let lock = other.lock(&name);
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await })
+    };
+    let channel = format!("{key}:released");
+    let subscribed = |node: &support::RedisServer| {
+        node.cmd(&["PUBSUB", "SHARDNUMSUB", &channel])
+            .as_array()
+            .and_then(|a| a.get(1).and_then(support::Resp::as_int))
+            .unwrap_or(0)
+            > 0
+    };
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || subscribed(&cluster.nodes[src])).await,
+        "the waiter subscribed to the lock's shard channel on its owner"
+    );
 
     let ok = |r: support::Resp| assert!(r.is_ok(), "{r:?}");
     ok(cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]));
@@ -424,6 +545,12 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
         .await
         .expect("try")
         .is_none());
+    // The early waiter's subscription followed the slot (Redis ends it on the old owner).
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || subscribed(&cluster.nodes[dst])).await,
+        "the waiter's subscription moved to the new owner"
+    );
+    let held = hand_over(&cluster.nodes[dst], &key, held, early).await;
 
     let waiter = {
         let lock = other.lock(&name);

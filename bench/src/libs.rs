@@ -27,6 +27,10 @@ pub enum Lib {
     RedisRsRaw,
     /// The rslock crate (0.10), explicit release.
     Rslock,
+    /// redlease with `ReplicaAck::replicas(1)`, explicit release (W7 only).
+    RedleaseAcked,
+    /// The floor with `WAIT 1` after the SET, on the key's primary (W7 only).
+    FredRawAcked,
 }
 
 impl Lib {
@@ -38,6 +42,8 @@ impl Lib {
             Lib::FredRaw => "raw floor: fred SET NX PX + script",
             Lib::RedisRsRaw => "raw floor: redis-rs SET NX PX + script",
             Lib::Rslock => "rslock 0.10",
+            Lib::RedleaseAcked => "redlease, 1 replica acknowledges (explicit release)",
+            Lib::FredRawAcked => "raw floor: fred SET NX PX + WAIT 1 + script",
         }
     }
 }
@@ -108,6 +114,9 @@ impl Clients {
                     .expect("rslock lock");
                 self.rslock.unlock(&lock).await;
             }
+            Lib::RedleaseAcked | Lib::FredRawAcked => {
+                panic!("{} runs on a cluster with replicas (W7) only", lib.name())
+            }
         }
     }
 
@@ -134,7 +143,10 @@ impl Clients {
                     .await
                     .expect("rslock acquire"),
             ),
-            Lib::FredRaw | Lib::RedisRsRaw => unreachable!("the raw floors do not wait"),
+            Lib::FredRaw | Lib::RedisRsRaw | Lib::FredRawAcked => {
+                unreachable!("the raw floors do not wait")
+            }
+            Lib::RedleaseAcked => unreachable!("W7 only: it does not wait"),
         }
     }
 }
@@ -172,31 +184,81 @@ fn token() -> String {
 #[derive(Clone)]
 pub struct ClusterClients {
     pub redlease: redlease::LockManager,
+    /// With `ReplicaAck::replicas(1)`, if the cluster has replicas.
+    acked: Option<redlease::LockManager>,
     fred: fred::clients::Client,
     script: Script,
 }
 
 impl ClusterClients {
-    /// Clients of the cluster at `url` (`redis-cluster://`).
-    pub async fn connect(url: &str) -> ClusterClients {
+    /// Clients of the cluster at `url` (`redis-cluster://`); with `replicas`, also a lock
+    /// manager whose grants wait for one replica.
+    pub async fn connect(url: &str, replicas: bool) -> ClusterClients {
         let (redlease, fred, script) = redlease_and_fred(url).await;
+        let acked = if replicas {
+            let options =
+                redlease::RedisOptions::new().replica_ack(redlease::ReplicaAck::replicas(1));
+            let backend = redlease::RedisBackend::connect_with(url, options)
+                .await
+                .expect("redlease connects");
+            let opts = redlease::LockOptions::new().ttl(TTL);
+            Some(redlease::LockManager::with_options(backend, opts).expect("options"))
+        } else {
+            None
+        };
         ClusterClients {
             redlease,
+            acked,
             fred,
             script,
         }
     }
 
     /// One acquire + release of `key` (free), by `lib`: redlease (explicit or drop
-    /// release) or the fred floor.
+    /// release, or acknowledged) or the fred floor (or with `WAIT 1`).
     pub async fn cycle(&self, lib: Lib, key: &str) {
         match lib {
             Lib::Redlease | Lib::RedleaseDrop => {
                 redlease_cycle(&self.redlease, lib, key, false).await;
             }
+            Lib::RedleaseAcked => {
+                let acked = self.acked.as_ref().expect("a cluster with replicas");
+                redlease_cycle(acked, Lib::Redlease, key, false).await;
+            }
+            Lib::FredRawAcked => fred_floor_acked(&self.fred, &self.script, key).await,
             _ => fred_floor(&self.fred, &self.script, key).await,
         }
     }
+}
+
+/// The floor with one replica's acknowledgement: SET NX PX, WAIT 1 on the key's primary (the
+/// connection that wrote), then the compare-and-delete.
+async fn fred_floor_acked(fred: &fred::clients::Client, script: &Script, key: &str) {
+    let token = token();
+    let ok: Option<String> = fred
+        .set(
+            key,
+            token.as_str(),
+            Some(Expiration::PX(TTL.as_millis() as i64)),
+            Some(SetOptions::NX),
+            false,
+        )
+        .await
+        .expect("SET NX");
+    assert!(ok.is_some(), "free key");
+    // On the key's primary; blocking, as fred's own `wait` is.
+    let slot = fred::util::redis_keyslot(key.as_bytes());
+    let wait = fred::types::CustomCommand::new_static(
+        "WAIT",
+        fred::types::ClusterHash::Custom(slot),
+        true,
+    );
+    let acked: i64 = fred.custom(wait, vec![1, 100]).await.expect("WAIT");
+    assert!(acked >= 1, "a replica acknowledged");
+    let _: i64 = script
+        .evalsha(fred, key, token.as_str())
+        .await
+        .expect("release");
 }
 
 /// A lock manager on `url` (one server or a cluster), and the floor's fred client with its

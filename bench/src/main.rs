@@ -439,12 +439,19 @@ async fn main() {
         .unwrap();
     }
 
-    // W7: W2 on a Redis Cluster of three primaries (no replicas).
+    // W7: W2 on a Redis Cluster of three primaries, one replica each: without and with one
+    // replica's acknowledgement.
     if plan.runs("W7") {
         eprintln!("W7");
-        let cluster = harness::cluster::RedisCluster::start(3, 0);
-        let clients = libs::ClusterClients::connect(&cluster.url()).await;
-        let rows = [Lib::Redlease, Lib::RedleaseDrop, Lib::FredRaw];
+        let cluster = harness::cluster::RedisCluster::start(3, 1);
+        let clients = libs::ClusterClients::connect(&cluster.url(), true).await;
+        let rows = [
+            Lib::Redlease,
+            Lib::RedleaseDrop,
+            Lib::FredRaw,
+            Lib::RedleaseAcked,
+            Lib::FredRawAcked,
+        ];
         let mut results: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
         let mut redis_us: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
         let cpu = |c: &harness::cluster::RedisCluster| -> f64 {
@@ -461,8 +468,10 @@ async fn main() {
             }
         }
         let floor = spread(&results[2]).0;
-        writeln!(md, "## W7: W2 on a Redis Cluster (3 primaries), 64 tasks, distinct keys, one shared client\n\nredlease keeps a connection per primary; the floor is the same commands sent by hand on fred's cluster client. No replica acknowledgement.\n\n| library | cycles/s | vs fred floor | Redis CPU per cycle, all primaries |\n|---|---|---|---|").unwrap();
+        let acked_floor = spread(&results[4]).0;
+        writeln!(md, "## W7: W2 on a Redis Cluster (3 primaries, 1 replica each), 64 tasks, distinct keys, one shared client\n\nredlease keeps a connection per primary; the floor is the same commands sent by hand on fred's cluster client. The last two rows wait for one replica (`ReplicaAck::replicas(1)`; the floor sends `WAIT 1` after its SET) and are compared with the floor that does.\n\n| library | cycles/s | vs fred floor | Redis CPU per cycle, all primaries |\n|---|---|---|---|").unwrap();
         for (i, lib) in rows.iter().enumerate() {
+            let floor = if i >= 3 { acked_floor } else { floor };
             writeln!(
                 md,
                 "| {} | {} | {:.2}× | {:.1} µs |",

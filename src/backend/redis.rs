@@ -46,6 +46,7 @@ macro_rules! on_shard {
     };
 }
 
+mod acks;
 mod batch;
 mod cache;
 mod connect;
@@ -58,6 +59,7 @@ mod shards;
 #[cfg(feature = "tls")]
 mod tls;
 
+pub use acks::ReplicaAck;
 pub use connect::RedisOptions;
 pub use fenced::FencedWrite;
 #[cfg(feature = "tls")]
@@ -99,6 +101,10 @@ struct Inner {
     /// The server's eviction policy (read at every connection): new acquires are refused
     /// while it may evict leases, unless that is accepted.
     policy: Arc<connect::Policy>,
+    /// Replica acknowledgement of grants and extensions (`None`: off).
+    acks: Option<acks::Acks>,
+    /// Remakes the connection when the server turns out to be a replica.
+    demoted: connect::Demoted,
 }
 
 struct Scripts {
@@ -119,8 +125,17 @@ struct Scripts {
 }
 
 impl Scripts {
-    fn new() -> Self {
-        let lua = Script::from_lua;
+    /// The scripts; on a cluster node (`sharded`), with their wake-ups published to the
+    /// lock's shard only (`SPUBLISH`, which its waiters `SSUBSCRIBE` to: a cluster sends a
+    /// plain `PUBLISH` to every node, and its bus carries each release that many times).
+    fn new(sharded: bool) -> Self {
+        let lua = |text: &'static str| {
+            if sharded {
+                Script::from_lua(text.replace("'PUBLISH'", "'SPUBLISH'"))
+            } else {
+                Script::from_lua(text)
+            }
+        };
         // The scripts that read the lock record share `prelude.lua` (the record's helpers;
         // in a batch, one lease's failure is its own).
         macro_rules! leases {
@@ -240,16 +255,30 @@ impl RedisBackend {
         }
     }
 
-    /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context.
+    /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context. A reply that says
+    /// the server is a replica now (`READONLY`, for the call or one of its entries: a
+    /// demoted primary) has the connection remade (see `connect::Demoted`).
     async fn eval<R: FromValue>(
         &self,
         script: &Script,
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<R> {
-        in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
-            .await
-            .map_err(Error::backend)
+        let reply: Result<Value> =
+            in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
+                .await
+                .map_err(Error::backend);
+        let readonly = match &reply {
+            Err(e) => connect::readonly(&e.to_string()),
+            Ok(Value::Array(entries)) => entries
+                .iter()
+                .any(|v| matches!(v, Value::String(s) if connect::readonly(s))),
+            Ok(_) => false,
+        };
+        if readonly {
+            self.inner.demoted.reconnect(&self.inner.client);
+        }
+        R::from_value(reply?).map_err(Error::backend)
     }
 }
 
@@ -265,24 +294,41 @@ impl Backend for RedisBackend {
             .acquire(claim, attempt, terms));
         self.inner.policy.check()?;
         self.check_connected(terms)?;
-        let op = match &claim.kind {
-            ClaimKind::Plain => Op::Acquire {
-                claim: claim.clone(),
-                attempt,
-                terms,
-            },
+        // Boxed: most backends have acknowledgement off, and their calls' futures stay small.
+        let mark = match self.inner.acks {
+            Some(_) => Box::pin(self.ack_mark()).await,
+            None => None,
+        };
+        let acquired = match &claim.kind {
+            ClaimKind::Plain => {
+                let op = Op::Acquire {
+                    claim: claim.clone(),
+                    attempt,
+                    terms,
+                };
+                ops::acquired(claim, self.op(op).await?)?
+            }
             // A quorum's terms do not apply: fair claims are not served over Redlock.
-            ClaimKind::Fair => Op::Fair {
-                claim: claim.clone(),
-                attempt,
-            },
+            ClaimKind::Fair => {
+                let op = Op::Fair {
+                    claim: claim.clone(),
+                    attempt,
+                };
+                ops::acquired(claim, self.op(op).await?)?
+            }
             // Boxed: inline, its state would make every plain acquire's future larger (and
             // slower to move).
             ClaimKind::Reentrant(owner) => {
-                return Box::pin(self.reentrant_acquire(claim, owner, attempt, terms)).await
+                Box::pin(self.reentrant_acquire(claim, owner, attempt, terms)).await?
             }
         };
-        ops::acquired(claim, self.op(op).await?)
+        match acquired {
+            // Reported once the replicas have it (with acknowledgement on; boxed, as above).
+            Acquire::Granted(grant) if mark.is_some() => {
+                Box::pin(self.grant_acknowledged(claim, grant, mark)).await
+            }
+            other => Ok(other),
+        }
     }
 
     async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
@@ -325,7 +371,10 @@ impl Backend for RedisBackend {
     /// shared by the local waiters, a message waking one of them. Fair claims: the key's
     /// hand-off channel, a message (the new head's token) waking only the waiter it names.
     async fn subscribe(&self, claim: &Claim) -> Result<Subscription> {
-        on_shard!(self, claim.key.as_str(), |node| node.subscribe(claim));
+        if let Some(shards) = &self.shards {
+            // Kept on the node that serves the key, across slot moves.
+            return shards.subscribe(claim).await;
+        }
         let (channel, target) = match claim.kind {
             ClaimKind::Fair => (
                 part(&claim.key, Part::Handoff),

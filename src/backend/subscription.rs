@@ -3,7 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use event_listener::{Event, EventListener};
@@ -13,7 +13,7 @@ use event_listener::{Event, EventListener};
 /// Dropping it unsubscribes.
 ///
 /// ```
-/// use std::sync::Arc;
+/// use std::sync::{Arc, Mutex};
 /// use redlease::event_listener::Event;
 /// # futures::executor::block_on(async {
 /// let event = Arc::new(Event::new());
@@ -26,6 +26,9 @@ use event_listener::{Event, EventListener};
 pub struct Subscription {
     events: Vec<Arc<Event>>,
     guards: Vec<Box<dyn Send + Sync>>,
+    /// Subscriptions the store may replace while this one lives (a cluster's, when the key's
+    /// slot moves to another node), listened to as they are at each [`listen`](Self::listen).
+    routed: Vec<Arc<Mutex<Subscription>>>,
 }
 
 impl fmt::Debug for Subscription {
@@ -42,6 +45,19 @@ impl Subscription {
         Subscription {
             events: vec![event],
             guards: Vec::new(),
+            routed: Vec::new(),
+        }
+    }
+
+    /// A subscription woken by `moved`, and by whatever `current` holds at each
+    /// [`listen`](Self::listen): the store swaps `current` for a subscription on the node
+    /// that serves the key now, then notifies `moved`, so that a waiter looks again (and
+    /// listens to the new one).
+    pub(crate) fn routed(current: Arc<Mutex<Subscription>>, moved: Arc<Event>) -> Self {
+        Subscription {
+            events: vec![moved],
+            guards: Vec::new(),
+            routed: vec![current],
         }
     }
 
@@ -56,10 +72,12 @@ impl Subscription {
         let mut merged = Subscription {
             events: Vec::new(),
             guards: Vec::new(),
+            routed: Vec::new(),
         };
         for s in subs {
             merged.events.extend(s.events);
             merged.guards.extend(s.guards);
+            merged.routed.extend(s.routed);
         }
         merged
     }
@@ -67,9 +85,12 @@ impl Subscription {
     /// A future that resolves at the next wake-up after this call. Arm it *before* checking
     /// the lock, so a release in between is not missed.
     pub fn listen(&self) -> WakeUp {
-        WakeUp {
-            listeners: self.events.iter().map(|e| e.listen()).collect(),
+        let mut listeners: Vec<EventListener> = self.events.iter().map(|e| e.listen()).collect();
+        for routed in &self.routed {
+            let current = routed.lock().unwrap_or_else(|p| p.into_inner());
+            listeners.extend(current.listen().listeners);
         }
+        WakeUp { listeners }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Connecting: URLs, connection options, the fred client's settings, loading the scripts,
 //! the server version check; also [`Redlock::connect`] over Redis servers.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,6 +41,9 @@ pub struct RedisOptions {
     /// Whether a server that may evict keys is accepted; see
     /// [`allow_eviction`](Self::allow_eviction()). Default `false`.
     pub allow_eviction: bool,
+    /// How many replicas must have a grant or an extension before it is reported; see
+    /// [`replica_ack`](Self::replica_ack()). Default [`ReplicaAck::Off`](super::ReplicaAck::Off).
+    pub replica_ack: super::ReplicaAck,
     /// TLS settings for `rediss://` URLs; see [`tls`](Self::tls()). Default: the system's
     /// roots, no client certificate, the URL's host as the server name.
     #[cfg(feature = "tls")]
@@ -54,6 +57,7 @@ impl Default for RedisOptions {
             connect_timeout: Duration::from_secs(5),
             max_command_attempts: 3,
             allow_eviction: false,
+            replica_ack: super::ReplicaAck::Off,
             #[cfg(feature = "tls")]
             tls: super::TlsOptions::default(),
         }
@@ -107,6 +111,31 @@ impl RedisOptions {
         self
     }
 
+    /// Replica acknowledgement (see [`ReplicaAck`](super::ReplicaAck)): with
+    /// [`ReplicaAck::replicas(n)`](super::ReplicaAck::replicas), an acquire is reported only
+    /// once `n` replicas have its grant (`WAIT`), and extensions count once acknowledged; a
+    /// grant that is not is given back and the acquire fails with
+    /// [`Error::NotAcknowledged`](crate::Error::NotAcknowledged) (a waiting acquire waits
+    /// on). Defaults to [`ReplicaAck::Off`](super::ReplicaAck::Off): see the README's
+    /// "Failover" section for the window each policy leaves. On a cluster it holds for every
+    /// primary, on its own replicas. A policy that asks for nothing, or whose timeout is not
+    /// below the command timeout, is refused with [`Error::InvalidConfig`]; so is
+    /// [`ReplicaAck::aof`](super::ReplicaAck::aof) at connect to a server older than 7.2.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// use redlease::{LockManager, RedisBackend, RedisOptions, ReplicaAck};
+    /// let options = RedisOptions::new().replica_ack(ReplicaAck::replicas(1));
+    /// let backend = RedisBackend::connect_with("redis://127.0.0.1:6379", options).await?;
+    /// let guard = LockManager::new(backend).lock("job").acquire().await?;
+    /// assert!(guard.replicas_acked() >= Some(1));
+    /// # Ok(()) }
+    /// ```
+    pub fn replica_ack(mut self, policy: super::ReplicaAck) -> Self {
+        self.replica_ack = policy;
+        self
+    }
+
     /// TLS settings for a `rediss://` URL (feature `tls`): a private CA to trust instead of
     /// the system's roots, a client certificate for `tls-auth-clients yes`, the name to check
     /// the server's certificate against. See [`TlsOptions`](super::TlsOptions). A plain
@@ -146,7 +175,7 @@ impl RedisOptions {
         if self.max_command_attempts == 0 {
             return Err(Error::invalid("max_command_attempts must be at least 1"));
         }
-        Ok(())
+        self.replica_ack.validate(self.command_timeout)
     }
 }
 
@@ -160,8 +189,10 @@ fn parse_url(url: &str) -> Result<(Config, bool)> {
         ));
     };
     let tls = match scheme {
-        "redis" | "redis-cluster" | "valkey" | "valkey-cluster" => false,
-        "rediss" | "rediss-cluster" | "valkeys" | "valkeys-cluster" => {
+        "redis" | "redis-cluster" | "redis-sentinel" | "valkey" | "valkey-cluster"
+        | "valkey-sentinel" => false,
+        "rediss" | "rediss-cluster" | "rediss-sentinel" | "valkeys" | "valkeys-cluster"
+        | "valkeys-sentinel" => {
             if !cfg!(feature = "tls") {
                 return Err(Error::invalid(format!(
                     "{scheme}:// needs redlease's `tls` feature; without it the connection \
@@ -172,7 +203,7 @@ fn parse_url(url: &str) -> Result<(Config, bool)> {
         }
         other => {
             return Err(Error::invalid(format!(
-            "unsupported Redis URL scheme {other:?}: use redis://, rediss:// or redis-cluster://"
+            "unsupported Redis URL scheme {other:?}: use redis://, rediss://, redis-cluster:// or redis-sentinel://"
         )))
         }
     };
@@ -190,6 +221,8 @@ fn parse_url(url: &str) -> Result<(Config, bool)> {
         "rediss-cluster" => format!("redis-cluster://{rest}"),
         "valkeys" => format!("valkey://{rest}"),
         "valkeys-cluster" => format!("valkey-cluster://{rest}"),
+        "rediss-sentinel" => format!("redis-sentinel://{rest}"),
+        "valkeys-sentinel" => format!("valkey-sentinel://{rest}"),
         _ => url.to_owned(),
     };
     // fred's message names the part that failed; it does not echo credentials.
@@ -303,7 +336,15 @@ impl RedisBackend {
         builder.set_config(subscriber_config);
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
         let policy = Arc::new(Policy::new(options.allow_eviction));
-        Self::assemble(client, subscriber, clustered, wait, policy).await
+        Self::assemble(
+            client,
+            subscriber,
+            clustered,
+            wait,
+            policy,
+            options.replica_ack,
+        )
+        .await
     }
 
     /// A backend over a fred client the application already has (its connection, its
@@ -341,7 +382,11 @@ impl RedisBackend {
         }
         let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
         let policy = Arc::new(Policy::new(false));
-        Box::pin(Self::assemble(client, subscriber, clustered, true, policy)).await
+        let ack = super::ReplicaAck::Off;
+        Box::pin(Self::assemble(
+            client, subscriber, clustered, true, policy, ack,
+        ))
+        .await
     }
 
     /// The backend over `client` and `subscriber`: loads the scripts on every connection,
@@ -352,8 +397,12 @@ impl RedisBackend {
         clustered: bool,
         wait: bool,
         policy: Arc<Policy>,
+        ack: super::ReplicaAck,
     ) -> Result<Self> {
-        let scripts = Scripts::new();
+        let scripts = Scripts::new(clustered);
+        // Counted for the acknowledgements: a WAIT on a remade connection counts nothing.
+        let reconnects = Arc::new(AtomicU64::new(0));
+        let counted = reconnects.clone();
         // Every connection (the first, and each after a reconnect: a restarted server has
         // no scripts) loads the scripts, so that calls are one EVALSHA, not a NOSCRIPT round
         // trip plus a reload that later commands could overtake.
@@ -366,6 +415,7 @@ impl RedisBackend {
         // caller's tokio runtime, or the crate's own one.
         in_tokio(async {
             drop(reloader.clone().on_reconnect(move |_| {
+                counted.fetch_add(1, Ordering::AcqRel);
                 let (client, all, policy) = (reloader.clone(), all.clone(), watched.clone());
                 async move {
                     let loads = all.iter().map(|s| s.load(&client));
@@ -385,6 +435,7 @@ impl RedisBackend {
             // A user whose ACL refuses INFO is not refused here: the version stays unknown.
             if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Server))).await {
                 check_version(&info)?;
+                ack.check_server(&info)?;
             }
             if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Memory))).await {
                 policy.observe(&info);
@@ -417,13 +468,15 @@ impl RedisBackend {
                 clustered,
                 ops: Batcher::default(),
                 policy,
+                acks: super::acks::Acks::new(ack, reconnects),
+                demoted: Demoted::default(),
             }),
         })
     }
 
     /// Resolves when connected (at once if connected already); `false` if the client gave
     /// up on the first connection.
-    async fn ready(&self) -> bool {
+    pub(super) async fn ready(&self) -> bool {
         in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
     }
 }
@@ -439,6 +492,41 @@ async fn first_connection(client: &Client) -> Result<()> {
         .await
         .map(drop)
         .map_err(Error::backend)
+}
+
+/// Whether a server's error (or an entry's, in a batch) says it is a replica now: a primary
+/// demoted behind the connection's back (a failover that did not kill its clients, a URL
+/// that names a fixed host).
+pub(super) fn readonly(said: &str) -> bool {
+    said.contains("READONLY")
+}
+
+/// After a `READONLY`: the connection is remade (at most once a second), so that a client
+/// behind Sentinel asks the sentinels for the primary again. (A lease whose extension was
+/// answered `READONLY` is lost: see `extend.rs`.)
+#[derive(Default)]
+pub(super) struct Demoted {
+    last: Mutex<Option<Instant>>,
+}
+
+impl Demoted {
+    pub(super) fn reconnect(&self, client: &Client) {
+        {
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        tracing::warn!(
+            "the Redis server answered READONLY: it is a replica now; reconnecting to find the \
+             primary"
+        );
+        let client = client.clone();
+        crate::runtime::background().spawn(async move {
+            let _ = in_tokio(client.force_reconnection()).await;
+        });
+    }
 }
 
 /// The server's eviction policy as last read, and whether an evicting one is accepted.

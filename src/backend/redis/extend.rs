@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use fred::types::{Key, Value};
 
+use super::connect::readonly;
 use super::keys::{check_ttl, ms};
 use super::RedisBackend;
 use crate::backend::{clock_drift, Extended, Lease, NodeTerms};
@@ -21,6 +22,11 @@ impl RedisBackend {
         terms: NodeTerms,
     ) -> Result<Vec<Extended>> {
         self.check_connected(terms)?;
+        // Boxed: most backends have acknowledgement off, and their calls' futures stay small.
+        let mark = match self.inner.acks {
+            Some(_) => Box::pin(self.ack_mark()).await,
+            None => None,
+        };
         let min_uptime = ms(terms.min_uptime);
         let sendable: Vec<usize> = (0..leases.len())
             .filter(|&i| check_ttl(leases[i].ttl).is_ok())
@@ -76,13 +82,18 @@ impl RedisBackend {
                 }
                 Err(e) => {
                     let msg = e.to_string();
+                    let gone = readonly(&msg);
                     for i in idx {
-                        out[i] = Some(Extended::Failed(Error::backend(msg.clone())));
+                        out[i] = Some(if gone {
+                            Extended::Gone
+                        } else {
+                            Extended::Failed(Error::backend(msg.clone()))
+                        });
                     }
                 }
             }
         }
-        Ok(out
+        let out = out
             .into_iter()
             .zip(leases)
             .map(|(e, lease)| {
@@ -91,7 +102,9 @@ impl RedisBackend {
                     Ok(()) => Extended::Failed(Error::backend("no reply")),
                 })
             })
-            .collect())
+            .collect();
+        // The round's extensions, acknowledged by one WAIT (shared with concurrent grants).
+        Ok(self.extensions_acknowledged(out, mark).await)
     }
 
     /// Splits the leases `which` into script calls of at most [`EXTEND_CHUNK`], per hash slot
@@ -134,6 +147,9 @@ fn extended(lease: &Lease<'_>, v: Value) -> Extended {
     match v.as_i64() {
         Some(1) => Extended::Held(lease.ttl.saturating_sub(clock_drift(lease.ttl))),
         Some(0) => Extended::Gone,
+        // The server is a replica now (a demoted primary): whether the lease is on the new
+        // primary is unknown here, so it is lost at once, not at its deadline.
+        _ if v.as_str().is_some_and(|s| readonly(&s)) => Extended::Gone,
         _ => Extended::Failed(Error::backend(format!(
             "extending {}: {}",
             lease.key,

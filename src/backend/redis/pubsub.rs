@@ -1,5 +1,5 @@
-//! Wake-ups: one subscriber connection per backend, one SUBSCRIBE per channel with local
-//! waiters, reference-counted; a message wakes one local waiter (a release), the waiter it
+//! Wake-ups: one subscriber connection per backend, one SUBSCRIBE (on a cluster node, a
+//! shard channel's SSUBSCRIBE) per channel with local waiters, reference-counted; a message wakes one local waiter (a release), the waiter it
 //! names (a fair hand-off), or all of them (a cache fill). When the subscriber connects, a
 //! check finds out whether messages reach it at all (an ACL may refuse the channels).
 
@@ -24,8 +24,9 @@ pub(super) struct PubSub {
     pub(super) client: SubscriberClient,
     /// The backend's command connection: it publishes the check's message.
     publisher: Client,
-    /// On a cluster, PUBLISH counts the receivers of one node only, so a count of 0 proves
-    /// nothing there: only a refused PUBLISH is seen.
+    /// A cluster node: shard channels (SSUBSCRIBE, SPUBLISH). The check's channel is mostly
+    /// served by another node (answered MOVED), so a count of 0 proves nothing there: only a
+    /// refused publish is seen.
     clustered: bool,
     /// Serialises SUBSCRIBE/UNSUBSCRIBE so they reach the server in the order of the count
     /// changes; `true` once the connection is up.
@@ -111,16 +112,17 @@ impl PubSub {
     async fn check(&self) -> Check {
         let probe = LeaseKey::new("redlease:", &format!("check:{}", Token::random().as_str()));
         let channel = part(&probe, Part::Released);
-        if in_tokio(self.client.subscribe(channel.clone()))
-            .await
-            .is_err()
-        {
+        if self.subscribe_to(channel.clone()).await.is_err() {
             return Check::Unknown;
         }
         // Its reply may be the SUBSCRIBE's error, which fred hands to the next command.
         let _ = in_tokio(self.client.ping::<Value>(None)).await;
-        let published = in_tokio(self.publisher.publish::<i64, _, _>(channel.clone(), "")).await;
-        let _ = in_tokio(self.client.unsubscribe(channel)).await;
+        let published = if self.clustered {
+            in_tokio(self.publisher.spublish::<i64, _, _>(channel.clone(), "")).await
+        } else {
+            in_tokio(self.publisher.publish::<i64, _, _>(channel.clone(), "")).await
+        };
+        let _ = self.unsubscribe(channel).await;
         match published {
             Err(e) if e.details().starts_with("NOPERM") => {
                 Check::PublishRefused(e.details().to_owned())
@@ -196,6 +198,25 @@ impl PubSub {
         }
     }
 
+    /// SUBSCRIBE, or on a cluster node SSUBSCRIBE: a cluster's releases are published to
+    /// their shard only (`SPUBLISH`, see `Scripts::new`).
+    async fn subscribe_to(&self, channel: String) -> fred::prelude::FredResult<()> {
+        if self.clustered {
+            in_tokio(self.client.ssubscribe(channel)).await
+        } else {
+            in_tokio(self.client.subscribe(channel)).await
+        }
+    }
+
+    /// UNSUBSCRIBE, or on a cluster node SUNSUBSCRIBE.
+    async fn unsubscribe(&self, channel: String) -> fred::prelude::FredResult<()> {
+        if self.clustered {
+            in_tokio(self.client.sunsubscribe(channel)).await
+        } else {
+            in_tokio(self.client.unsubscribe(channel)).await
+        }
+    }
+
     /// Subscribes to `channel`. `broadcast`: every message wakes every local listener (cache
     /// fills); otherwise one (releases). With a `target`, the subscription is woken only by
     /// messages that carry that token (fair hand-offs).
@@ -234,7 +255,7 @@ impl PubSub {
             target,
         };
         if first {
-            in_tokio(self.client.subscribe(guard.channel.clone()))
+            self.subscribe_to(guard.channel.clone())
                 .await
                 .map_err(Error::backend)?;
         }
@@ -279,7 +300,7 @@ impl Drop for Unsubscribe {
                 idle
             };
             if idle {
-                let _ = pubsub.client.unsubscribe(channel).await;
+                let _ = pubsub.unsubscribe(channel).await;
             }
         });
     }

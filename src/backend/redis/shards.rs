@@ -16,10 +16,11 @@
 //! keeps being woken there (a cluster delivers `PUBLISH` to every node, replicas included).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use event_listener::Event;
 use fred::interfaces::ClientLike;
 use fred::prelude::Config;
 use fred::types::config::ServerConfig;
@@ -27,7 +28,7 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::RedisBackend;
 use super::RedisOptions;
-use crate::backend::{Extended, Lease, NodeTerms};
+use crate::backend::{Backend, Claim, Extended, Lease, NodeTerms, Subscription};
 use crate::error::{Error, Result};
 use crate::runtime::{in_tokio, Rt};
 
@@ -41,6 +42,10 @@ const MAX_TRIES: usize = 40;
 
 /// How long a call waits before it is sent again to a slot being migrated.
 const MIGRATING_PAUSE: Duration = Duration::from_millis(25);
+
+/// How often the table is asked for while waiters are subscribed: a slot moved by someone
+/// else is seen within this long, and its waiters' subscriptions moved.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
 
 /// The primaries of a cluster and the slots each serves.
 pub(super) struct Shards {
@@ -62,6 +67,26 @@ pub(super) struct Shards {
     generation: AtomicU64,
     /// One refresh at a time.
     refreshing: futures::lock::Mutex<()>,
+    /// The waiters' subscriptions, each kept on the node that serves its key.
+    routes: Mutex<Vec<Weak<Route>>>,
+    /// One re-routing at a time.
+    rerouting: futures::lock::Mutex<()>,
+    /// A task asks for the table every [`WATCH_EVERY`] while subscriptions live.
+    watching: AtomicBool,
+}
+
+/// A waiter's subscription on a cluster: on the node that serves its key, moved to the new
+/// owner when the table says the key's slot has moved (Redis ends a shard channel's
+/// subscriptions on a node that gives its slot away; fred drops that notice).
+struct Route {
+    claim: Claim,
+    /// The node it is subscribed on.
+    addr: Mutex<String>,
+    /// The node's subscription, swapped for the new owner's when the slot moves.
+    current: Arc<Mutex<Subscription>>,
+    /// Notified after a move: the waiter looks again (a release in between was published
+    /// where it was not listening) and listens to the new node.
+    moved: Arc<Event>,
 }
 
 impl Shards {
@@ -81,6 +106,9 @@ impl Shards {
             refreshed: Mutex::new(None),
             generation: AtomicU64::new(0),
             refreshing: futures::lock::Mutex::new(()),
+            routes: Mutex::new(Vec::new()),
+            rerouting: futures::lock::Mutex::new(()),
+            watching: AtomicBool::new(false),
         });
         let mut last = Error::invalid("a cluster URL names no node");
         for (host, port) in seeds {
@@ -127,6 +155,11 @@ impl Shards {
 
     /// The backend of the primary serving `key` now (connected in the background if new).
     pub(super) async fn node(self: &Arc<Self>, key: &str) -> Result<RedisBackend> {
+        Ok(self.located(key).await?.1)
+    }
+
+    /// The address and the backend of the primary serving `key` now.
+    async fn located(self: &Arc<Self>, key: &str) -> Result<(String, RedisBackend)> {
         let addr = match self.owner(key) {
             Ok(addr) => addr,
             Err(slot) => {
@@ -137,10 +170,106 @@ impl Shards {
             }
         };
         if let Some(node) = lock(&self.nodes).get(&addr) {
-            return Ok(node.clone());
+            return Ok((addr, node.clone()));
         }
         let node = self.open(&addr, false).await?;
-        Ok(lock(&self.nodes).entry(addr).or_insert(node).clone())
+        let node = lock(&self.nodes)
+            .entry(addr.clone())
+            .or_insert(node)
+            .clone();
+        Ok((addr, node))
+    }
+
+    /// A subscription for `claim`'s wake-ups on the node that serves its key, kept there:
+    /// moved when the key's slot moves (see [`Route`]). The table is asked for every
+    /// [`WATCH_EVERY`] while subscriptions live, so a move made by someone else is seen.
+    pub(super) async fn subscribe(self: &Arc<Self>, claim: &Claim) -> Result<Subscription> {
+        let key = claim.key.as_str();
+        let mut tries = 0;
+        let (addr, sub) = loop {
+            let seen = self.generation();
+            let (addr, node) = self.located(key).await?;
+            // SSUBSCRIBE is answered MOVED by a node that does not serve the slot.
+            let result = node.subscribe(claim).await;
+            tries += 1;
+            if !self.redirected(&result, seen, tries).await {
+                break (addr, result?);
+            }
+        };
+        let route = Arc::new(Route {
+            claim: claim.clone(),
+            addr: Mutex::new(addr.clone()),
+            current: Arc::new(Mutex::new(sub)),
+            moved: Arc::new(Event::new()),
+        });
+        lock(&self.routes).push(Arc::downgrade(&route));
+        self.watch();
+        // A table that changed since the SSUBSCRIBE may have been re-routed without it.
+        if self.owner(key).ok().as_deref() != Some(addr.as_str()) {
+            self.reroute_soon();
+        }
+        Ok(Subscription::routed(route.current.clone(), route.moved.clone()).with_guard(route))
+    }
+
+    /// Moves each live subscription whose key's slot the table now puts on another node.
+    /// One that cannot be moved now is tried again at the next table.
+    async fn reroute(self: &Arc<Self>) {
+        let _one = self.rerouting.lock().await;
+        let routes: Vec<Arc<Route>> = {
+            let mut routes = lock(&self.routes);
+            routes.retain(|r| r.strong_count() > 0);
+            routes.iter().filter_map(Weak::upgrade).collect()
+        };
+        for route in routes {
+            let key = route.claim.key.as_str();
+            let Ok(owner) = self.owner(key) else { continue };
+            if *lock(&route.addr) == owner {
+                continue;
+            }
+            let Ok((addr, node)) = self.located(key).await else {
+                continue;
+            };
+            if let Ok(sub) = node.subscribe(&route.claim).await {
+                let old = std::mem::replace(&mut *lock(&route.current), sub);
+                *lock(&route.addr) = addr;
+                // Unsubscribed from the old node as it goes.
+                drop(old);
+                route.moved.notify(usize::MAX);
+            }
+        }
+    }
+
+    fn reroute_soon(self: &Arc<Self>) {
+        let this = self.clone();
+        crate::runtime::background().spawn(async move { this.reroute().await });
+    }
+
+    /// Starts the task that asks for the table every [`WATCH_EVERY`] while subscriptions
+    /// live (unless it runs). It holds the shards weakly: a dropped backend ends it.
+    fn watch(self: &Arc<Self>) {
+        if self.watching.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = Arc::downgrade(self);
+        crate::runtime::background().spawn(async move {
+            loop {
+                crate::runtime::sleep(WATCH_EVERY).await;
+                let Some(this) = this.upgrade() else { return };
+                let live = |this: &Shards| {
+                    let mut routes = lock(&this.routes);
+                    routes.retain(|r| r.strong_count() > 0);
+                    !routes.is_empty()
+                };
+                if !live(&this) {
+                    this.watching.store(false, Ordering::Release);
+                    // A subscription made meanwhile saw the task running: take it back on.
+                    if !live(&this) || this.watching.swap(true, Ordering::AcqRel) {
+                        return;
+                    }
+                }
+                this.refresh(this.generation()).await;
+            }
+        });
     }
 
     /// After a call on a node, made when the table's generation was `seen` and sent `tries`
@@ -196,7 +325,7 @@ impl Shards {
     /// Asks for the slot table unless one newer than generation `seen` came meanwhile: the
     /// connected nodes first, then every other address known (the map's, the seeds, the
     /// table's) on a connection of its own, until one answers.
-    async fn refresh(&self, seen: u64) {
+    async fn refresh(self: &Arc<Self>, seen: u64) {
         let _one = self.refreshing.lock().await;
         if self.generation() != seen {
             return;
@@ -231,13 +360,18 @@ impl Shards {
         }
     }
 
-    /// Asks `node` (at `addr`) for the table and keeps it if it answers.
-    async fn adopt(&self, addr: &str, node: &RedisBackend) -> bool {
+    /// Asks `node` (at `addr`) for the table and keeps it if it answers; a table that moved
+    /// slots moves the subscriptions on them.
+    async fn adopt(self: &Arc<Self>, addr: &str, node: &RedisBackend) -> bool {
         let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
         match slots(node, host).await {
             Ok(table) => {
+                let changed = *read(&self.table) != table;
                 *write(&self.table) = table;
                 self.generation.fetch_add(1, Ordering::AcqRel);
+                if changed {
+                    self.reroute_soon();
+                }
                 true
             }
             Err(_) => false,

@@ -199,13 +199,15 @@ impl TlsOptions {
         if let Some(name) = name {
             match &mut config.server {
                 ServerConfig::Centralized { server } => server.tls_server_name = Some(name),
-                ServerConfig::Clustered { hosts, .. } => {
+                ServerConfig::Clustered { hosts, .. } | ServerConfig::Sentinel { hosts, .. } => {
                     for host in hosts.iter_mut() {
                         host.tls_server_name = Some(name.clone());
                     }
-                    // The nodes found by CLUSTER SLOTS too.
+                    // The nodes found by CLUSTER SLOTS (the primary a sentinel names) too.
                     hostnames = TlsHostMapping::Custom(Arc::new(OneName(name.to_string())));
                 }
+                // A Unix socket, with fred's `unix-sockets` feature.
+                #[allow(unreachable_patterns)]
                 _ => {}
             }
         }
