@@ -483,7 +483,14 @@ async fn main() {
             )
             .unwrap();
         }
-        writeln!(md).unwrap();
+        let mut gaps = workloads::w7_handoff(&cluster.url(), 200).await;
+        writeln!(
+            md,
+            "\nHand-off on the cluster (a waiter in another manager, woken by the release's message on the lock's shard; 200 locks over every shard): release call to the waiter's guard p50 {}, p99 {}.\n",
+            ms(stats::quantile(&mut gaps, 0.5)),
+            ms(stats::quantile(&mut gaps, 0.99))
+        )
+        .unwrap();
     }
 
     // W6: idle waiters on one held lock in one process.

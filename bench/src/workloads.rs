@@ -48,6 +48,52 @@ pub async fn w7(clients: &ClusterClients, lib: Lib, dur: Duration) -> f64 {
     .await
 }
 
+/// W7's hand-off: `n` times, one manager holds a lock (a new name each time, so over every
+/// shard) while a second manager's `acquire()` waits on it (woken by the release's message:
+/// its fallback re-check is 5 s away); the time from the release call to the waiter's guard.
+pub async fn w7_handoff(url: &str, n: usize) -> Vec<Duration> {
+    let manager = |retry: redlease::RetryPolicy| async move {
+        let backend = redlease::RedisBackend::connect(url)
+            .await
+            .expect("redlease connects");
+        let opts = redlease::LockOptions::new()
+            .ttl(Duration::from_secs(10))
+            .retry(retry);
+        redlease::LockManager::with_options(backend, opts).expect("options")
+    };
+    let holder = manager(redlease::RetryPolicy::default()).await;
+    let slow = Duration::from_secs(5);
+    let waiter = manager(
+        redlease::RetryPolicy::notify()
+            .min_delay(slow)
+            .max_delay(slow),
+    )
+    .await;
+    let mut gaps = Vec::with_capacity(n);
+    for i in 0..n {
+        let name = format!("w7h:{i}:{}", rand::random::<u32>());
+        let held = holder
+            .lock(&name)
+            .try_acquire()
+            .await
+            .expect("acquire")
+            .expect("free");
+        let lock = waiter.lock(&name);
+        let waiting = tokio::spawn(async move {
+            let g = lock.acquire().await.expect("the waiter's acquire");
+            (Instant::now(), g)
+        });
+        // Time for the waiter's first attempt and subscription.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let released = Instant::now();
+        held.release().await.expect("release");
+        let (got, g) = waiting.await.expect("waiter task");
+        gaps.push(got.saturating_duration_since(released));
+        g.release().await.expect("release");
+    }
+    gaps
+}
+
 /// 64 tasks each running `cycle(task, n)` for n = 0, 1, ... until `dur` has passed; cycles
 /// per second, all tasks together.
 async fn sixty_four_tasks<F, Fut>(dur: Duration, cycle: F) -> f64
