@@ -436,8 +436,8 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
 /// A held lock's slot is migrated to another primary (`CLUSTER SETSLOT` and `MIGRATE`, as a
 /// resharding does) while its holder's watchdog keeps it and another client asks for it.
 /// During the migration the other client's call is answered `TRYAGAIN` before it runs (it
-/// declares the keys it may touch) and is sent again; after it, calls follow the `MOVED` to
-/// the new owner. The holder keeps the lease throughout, the other client never gets it. A
+/// declares the keys it may touch) and is sent again, for as long as the migration lasts
+/// (1.5 s here); after it, calls follow the `MOVED` to the new owner. The holder keeps the lease throughout, the other client never gets it. A
 /// waiter that subscribed to the lock's shard channel on the old owner before the move has
 /// its subscription moved to the new owner (Redis ends it on the old one, and fred drops
 /// that notice: the backend sees the slot move in its table), and is woken there by the
@@ -503,6 +503,10 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
         support::wait_for_async(Duration::from_secs(10), || tryagain(&cluster.nodes[src])).await,
         "a call on the migrating slot was answered TRYAGAIN"
     );
+    // A slow migration: the call keeps being answered TRYAGAIN for longer than a second (it
+    // gave up after one once), and waits.
+    support::sleep_async(Duration::from_millis(1500)).await;
+    assert!(!asking.is_finished(), "the call waits for the migration");
     let keys = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
     let keys: Vec<String> = keys
         .as_array()

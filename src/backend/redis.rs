@@ -31,14 +31,13 @@ use crate::token::LeaseKey;
 macro_rules! on_shard {
     ($self:ident, $key:expr, |$node:ident| $call:expr) => {
         if let Some(shards) = &$self.shards {
-            let mut tries = 0;
+            let (mut moves, since) = (0, std::time::Instant::now());
             loop {
                 let seen = shards.generation();
                 let $node = shards.node($key).await?;
                 // Boxed: the node's call is this same function (on a backend with no shards).
                 let result = Box::pin($call).await;
-                tries += 1;
-                if !shards.redirected(&result, seen, tries).await {
+                if !shards.redirected(&result, seen, &mut moves, since).await {
                     return result;
                 }
             }

@@ -36,12 +36,17 @@ use crate::runtime::{in_tokio, Rt};
 /// call for it; one refresh tells where its slots went).
 const REFRESH_EVERY: Duration = Duration::from_millis(100);
 
-/// How often a call is sent at most: again after a redirection, or after a `TRYAGAIN` or
-/// `ASK` while its slot is migrated (each after [`MIGRATING_PAUSE`]).
+/// How many redirections (`MOVED`) a call follows at most.
 const MAX_TRIES: usize = 40;
 
 /// How long a call waits before it is sent again to a slot being migrated.
 const MIGRATING_PAUSE: Duration = Duration::from_millis(25);
+
+/// How long a call is sent again, every [`MIGRATING_PAUSE`], while its slot is migrated
+/// (`TRYAGAIN`, or `ASK` once its keys have moved: `ASKING` is not sent, so a call waits for
+/// the slot's migration to end, as the `MOVED` that follows says). A caller's own deadline
+/// ends the wait sooner.
+const MIGRATING_BUDGET: Duration = Duration::from_secs(10);
 
 /// How often the table is asked for while waiters are subscribed: a slot moved by someone
 /// else is seen within this long, and its waiters' subscriptions moved.
@@ -185,14 +190,13 @@ impl Shards {
     /// [`WATCH_EVERY`] while subscriptions live, so a move made by someone else is seen.
     pub(super) async fn subscribe(self: &Arc<Self>, claim: &Claim) -> Result<Subscription> {
         let key = claim.key.as_str();
-        let mut tries = 0;
+        let (mut moves, since) = (0, Instant::now());
         let (addr, sub) = loop {
             let seen = self.generation();
             let (addr, node) = self.located(key).await?;
             // SSUBSCRIBE is answered MOVED by a node that does not serve the slot.
             let result = node.subscribe(claim).await;
-            tries += 1;
-            if !self.redirected(&result, seen, tries).await {
+            if !self.redirected(&result, seen, &mut moves, since).await {
                 break (addr, result?);
             }
         };
@@ -272,35 +276,41 @@ impl Shards {
         });
     }
 
-    /// After a call on a node, made when the table's generation was `seen` and sent `tries`
-    /// times: whether it is to be sent again (at most [`MAX_TRIES`] times), none of it having
-    /// run. `MOVED`: once a table newer than `seen` is there. `TRYAGAIN` or `ASK` (its slot is
-    /// being migrated; the call declares every key it may touch, so Redis answers before
-    /// running it): after [`MIGRATING_PAUSE`], by when the migration may be done (then
-    /// `MOVED` follows). Any other error of the node's (not of one lease's own commands) may
+    /// After a call on a node, made when the table's generation was `seen`, first sent at
+    /// `since` and redirected `moves` times so far: whether it is to be sent again, none of it
+    /// having run. `MOVED`: once a table newer than `seen` is there, [`MAX_TRIES`] times at
+    /// most. `TRYAGAIN` or
+    /// `ASK` (its slot is being migrated; the call declares every key it may touch, so Redis
+    /// answers before running it): after [`MIGRATING_PAUSE`], by when the migration may be
+    /// done (then `MOVED` follows), for [`MIGRATING_BUDGET`] at most. Any other error of the node's (not of one lease's own commands) may
     /// mean its slots moved: the table is asked for in the background, at most every
     /// [`REFRESH_EVERY`].
     pub(super) async fn redirected<T>(
         self: &Arc<Self>,
         result: &Result<T>,
         seen: u64,
-        tries: usize,
+        moves: &mut usize,
+        since: Instant,
     ) -> bool {
         let Err(e) = result else {
             return false;
         };
-        if tries >= MAX_TRIES {
-            return false;
-        }
         if crate::backend::refused(e) {
             return false;
         }
         let text = e.to_string();
         if text.contains("MOVED ") {
+            *moves += 1;
+            if *moves > MAX_TRIES {
+                return false;
+            }
             self.refresh(seen).await;
             return true;
         }
         if text.contains("TRYAGAIN") || text.contains("ASK ") {
+            if since.elapsed() >= MIGRATING_BUDGET {
+                return false;
+            }
             crate::runtime::sleep(MIGRATING_PAUSE).await;
             return true;
         }
