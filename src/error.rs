@@ -102,4 +102,32 @@ impl Error {
     pub(crate) fn invalid(what: impl Into<String>) -> Self {
         Error::InvalidConfig(what.into())
     }
+
+    /// The same error again, for every variant but [`Error::Backend`] (whose source cannot
+    /// be copied): for an error handed to several callers.
+    pub(crate) fn copied(&self) -> Option<Error> {
+        Some(match self {
+            Error::InvalidConfig(m) => Error::InvalidConfig(m.clone()),
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::Timeout { waited } => Error::Timeout { waited: *waited },
+            Error::NotHeld => Error::NotHeld,
+            Error::QuorumNotReached { acquired, required } => Error::QuorumNotReached {
+                acquired: *acquired,
+                required: *required,
+            },
+            Error::NotAcknowledged {
+                acked,
+                required,
+                why,
+            } => Error::NotAcknowledged {
+                acked: *acked,
+                required: *required,
+                why: why.clone(),
+            },
+            Error::LoadFailed { message } => Error::LoadFailed {
+                message: message.clone(),
+            },
+            Error::Backend { .. } => return None,
+        })
+    }
 }

@@ -513,29 +513,8 @@ impl Drop for Ticket {
 
 /// A shared error handed to one more caller: the same variant, the backend's source shared.
 fn duplicate(e: &Arc<Error>) -> Error {
-    match &**e {
-        Error::InvalidConfig(m) => Error::InvalidConfig(m.clone()),
-        Error::Unsupported(m) => Error::Unsupported(m.clone()),
-        Error::Timeout { waited } => Error::Timeout { waited: *waited },
-        Error::NotHeld => Error::NotHeld,
-        Error::LoadFailed { message } => Error::LoadFailed {
-            message: message.clone(),
-        },
-        Error::QuorumNotReached { acquired, required } => Error::QuorumNotReached {
-            acquired: *acquired,
-            required: *required,
-        },
-        Error::NotAcknowledged {
-            acked,
-            required,
-            why,
-        } => Error::NotAcknowledged {
-            acked: *acked,
-            required: *required,
-            why: why.clone(),
-        },
-        Error::Backend { .. } => Error::backend(SharedError(e.clone())),
-    }
+    e.copied()
+        .unwrap_or_else(|| Error::backend(SharedError(e.clone())))
 }
 
 /// A backend error shared by every caller of a flight.

@@ -85,7 +85,7 @@ impl Clients {
             Lib::Redlease | Lib::RedleaseFair | Lib::RedleaseDrop => {
                 redlease_cycle(&self.redlease, lib, key, wait).await;
             }
-            Lib::FredRaw => fred_floor(&self.fred, &self.script, key).await,
+            Lib::FredRaw => fred_floor(&self.fred, &self.script, key, false).await,
             Lib::RedisRsRaw => {
                 let token = token();
                 let mut con = self.redis_rs.clone();
@@ -225,40 +225,10 @@ impl ClusterClients {
                 let acked = self.acked.as_ref().expect("a cluster with replicas");
                 redlease_cycle(acked, Lib::Redlease, key, false).await;
             }
-            Lib::FredRawAcked => fred_floor_acked(&self.fred, &self.script, key).await,
-            _ => fred_floor(&self.fred, &self.script, key).await,
+            Lib::FredRawAcked => fred_floor(&self.fred, &self.script, key, true).await,
+            _ => fred_floor(&self.fred, &self.script, key, false).await,
         }
     }
-}
-
-/// The floor with one replica's acknowledgement: SET NX PX, WAIT 1 on the key's primary (the
-/// connection that wrote), then the compare-and-delete.
-async fn fred_floor_acked(fred: &fred::clients::Client, script: &Script, key: &str) {
-    let token = token();
-    let ok: Option<String> = fred
-        .set(
-            key,
-            token.as_str(),
-            Some(Expiration::PX(TTL.as_millis() as i64)),
-            Some(SetOptions::NX),
-            false,
-        )
-        .await
-        .expect("SET NX");
-    assert!(ok.is_some(), "free key");
-    // On the key's primary; blocking, as fred's own `wait` is.
-    let slot = fred::util::redis_keyslot(key.as_bytes());
-    let wait = fred::types::CustomCommand::new_static(
-        "WAIT",
-        fred::types::ClusterHash::Custom(slot),
-        true,
-    );
-    let acked: i64 = fred.custom(wait, vec![1, 100]).await.expect("WAIT");
-    assert!(acked >= 1, "a replica acknowledged");
-    let _: i64 = script
-        .evalsha(fred, key, token.as_str())
-        .await
-        .expect("release");
 }
 
 /// A lock manager on `url` (one server or a cluster), and the floor's fred client with its
@@ -303,7 +273,7 @@ async fn redlease_cycle(locks: &redlease::LockManager, lib: Lib, key: &str, wait
 
 /// The floor's cycle on fred (one server's client or a cluster client): `SET NX PX`, then the
 /// compare-and-delete script.
-async fn fred_floor(fred: &fred::clients::Client, script: &Script, key: &str) {
+async fn fred_floor(fred: &fred::clients::Client, script: &Script, key: &str, acked: bool) {
     let token = token();
     let ok: Option<String> = fred
         .set(
@@ -316,6 +286,18 @@ async fn fred_floor(fred: &fred::clients::Client, script: &Script, key: &str) {
         .await
         .expect("SET NX");
     assert!(ok.is_some(), "free key");
+    if acked {
+        // One replica has it: WAIT 1 on the key's primary (the connection that wrote),
+        // blocking as fred's own `wait` is.
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let wait = fred::types::CustomCommand::new_static(
+            "WAIT",
+            fred::types::ClusterHash::Custom(slot),
+            true,
+        );
+        let n: i64 = fred.custom(wait, vec![1, 100]).await.expect("WAIT");
+        assert!(n >= 1, "a replica acknowledged");
+    }
     let _: i64 = script
         .evalsha(fred, key, token.as_str())
         .await

@@ -420,16 +420,5 @@ impl RedisBackend {
 
 /// The same error again, for each lease it fails.
 fn again(e: &Error) -> Error {
-    match e {
-        Error::NotAcknowledged {
-            acked,
-            required,
-            why,
-        } => Error::NotAcknowledged {
-            acked: *acked,
-            required: *required,
-            why: why.clone(),
-        },
-        other => crate::backend::same_error(other),
-    }
+    e.copied().unwrap_or_else(|| crate::backend::same_error(e))
 }
