@@ -433,6 +433,53 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
     }
 }
 
+/// A waiter's shard-channel subscription is renewed when its connection is killed
+/// (`CLIENT KILL TYPE pubsub` on the lock's primary): the waiter is then woken by the
+/// release's message (its fallback re-check is a minute away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_subscriber_resubscribes_its_shard_channels() {
+    let cluster = RedisCluster::start(3, 0);
+    let name = cluster.names_per_primary("redlease:", "resub")[0].clone();
+    let holder = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(5))).await;
+    let other = manager(&cluster, patient()).await;
+    let key = holder.lock(&name).key().as_str().to_owned();
+    let node = &cluster.nodes[cluster.owner(&key, 0)];
+    let held = holder
+        .lock(&name)
+        .try_acquire()
+        .await
+        .expect("acquire")
+        .expect("free");
+    let waiter = {
+        let lock = other.lock(&name);
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await })
+    };
+    let channel = format!("{key}:released");
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(node, &channel)
+            > 0)
+        .await,
+        "the waiter subscribed"
+    );
+    assert!(node.kill_pubsub_clients() >= 1);
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(node, &channel)
+            > 0)
+        .await,
+        "the waiter's subscription was renewed after the kill"
+    );
+    let next = hand_over(node, &key, held, waiter).await;
+    next.release().await.expect("release");
+}
+
+/// The subscribers of shard channel `channel` on `node`.
+fn shard_subscribers(node: &support::RedisServer, channel: &str) -> i64 {
+    node.cmd(&["PUBSUB", "SHARDNUMSUB", channel])
+        .as_array()
+        .and_then(|a| a.get(1).and_then(support::Resp::as_int))
+        .unwrap_or(0)
+}
+
 /// A held lock's slot is migrated to another primary (`CLUSTER SETSLOT` and `MIGRATE`, as a
 /// resharding does) while its holder's watchdog keeps it and another client asks for it.
 /// During the migration the other client's call is answered `TRYAGAIN` before it runs (it
@@ -476,13 +523,7 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
         tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await })
     };
     let channel = format!("{key}:released");
-    let subscribed = |node: &support::RedisServer| {
-        node.cmd(&["PUBSUB", "SHARDNUMSUB", &channel])
-            .as_array()
-            .and_then(|a| a.get(1).and_then(support::Resp::as_int))
-            .unwrap_or(0)
-            > 0
-    };
+    let subscribed = |node: &support::RedisServer| shard_subscribers(node, &channel) > 0;
     assert!(
         support::wait_for_async(Duration::from_secs(10), || subscribed(&cluster.nodes[src])).await,
         "the waiter subscribed to the lock's shard channel on its owner"
