@@ -456,15 +456,17 @@ async fn a_killed_subscriber_resubscribes_its_shard_channels() {
     };
     let channel = format!("{key}:released");
     assert!(
-        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(node, &channel)
-            > 0)
+        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(
+            node, &channel
+        ) > 0)
         .await,
         "the waiter subscribed"
     );
     assert!(node.kill_pubsub_clients() >= 1);
     assert!(
-        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(node, &channel)
-            > 0)
+        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(
+            node, &channel
+        ) > 0)
         .await,
         "the waiter's subscription was renewed after the kill"
     );
