@@ -2,6 +2,7 @@
 //!
 //! * [`RedisServer`]: a throw-away `redis-server` on a free loopback port, killed on drop.
 //! * [`RedisCluster`]: a throw-away Redis Cluster of such servers.
+//! * [`RedisSentinels`]: a throw-away primary, its replicas and the Sentinels watching them.
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
@@ -16,6 +17,7 @@ mod checker;
 mod cluster;
 mod plain;
 mod record;
+mod sentinel;
 mod server;
 mod wait;
 
@@ -23,6 +25,7 @@ pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
 pub use plain::PlainOnly;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
+pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
 pub use wait::wait_for_interval;
 

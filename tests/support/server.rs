@@ -195,6 +195,8 @@ pub struct RedisServer {
     auth: Auth,
     /// The port speaks TLS only (`--port 0 --tls-port PORT`).
     tls: bool,
+    /// The config file given as the first argument (a Sentinel's, which it rewrites).
+    conf: Option<PathBuf>,
 }
 
 impl RedisServer {
@@ -209,7 +211,7 @@ impl RedisServer {
     /// `["--user", "alice", "on", ">pw", "~*", "+@all"]`. Do not pass
     /// `--port`, `--dir` or `--logfile`.
     pub fn start_with(extra: &[&str]) -> RedisServer {
-        RedisServer::start_mode(extra, false)
+        RedisServer::start_mode(extra, false, None)
     }
 
     /// A server whose port speaks TLS only (`--port 0 --tls-port PORT`); `extra` names the
@@ -217,10 +219,21 @@ impl RedisServer {
     /// `--tls-auth-clients no`). Ready once its own log says it listens. The harness's
     /// plain-text connections (`cmd`, `connect`, ...) do not work with it.
     pub fn start_tls(extra: &[&str]) -> RedisServer {
-        RedisServer::start_mode(extra, true)
+        RedisServer::start_mode(extra, true, None)
     }
 
-    fn start_mode(extra: &[&str], tls: bool) -> RedisServer {
+    /// A Redis Sentinel (`redis-server <config> --sentinel`) on a free loopback port, its
+    /// config file made of `conf_lines` (e.g. `sentinel monitor mymaster 127.0.0.1 6379 2`)
+    /// in its private temp dir, where Sentinel rewrites it (its id, the replicas and
+    /// sentinels it learns, the primary after a failover; a [`restart`](Self::restart)
+    /// keeps what it wrote). Ready once it answers PING and its INFO names its pid.
+    /// Killed on drop like any other server.
+    pub fn start_sentinel(conf_lines: &[String]) -> RedisServer {
+        RedisServer::start_mode(&[], false, Some(conf_lines))
+    }
+
+    /// `sentinel`: the config lines of a Sentinel (see [`start_sentinel`](Self::start_sentinel)).
+    fn start_mode(extra: &[&str], tls: bool, sentinel: Option<&[String]>) -> RedisServer {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let auth = extra
             .iter()
@@ -229,9 +242,17 @@ impl RedisServer {
             .map(|pw| (None, pw.clone()));
         let dir = fresh_temp_dir();
         let mut errors = Vec::new();
+        let conf = sentinel.map(|_| dir.join("sentinel.conf"));
         for attempt in 1..=START_ATTEMPTS {
             let port = reserve_port();
-            match spawn_and_wait(port, &dir, &extra, &auth, tls) {
+            if let (Some(path), Some(lines)) = (&conf, sentinel) {
+                // Written afresh for each attempt: a failed one may have rewritten it.
+                let mut text = lines.join("\n");
+                text.push('\n');
+                fs::write(path, text)
+                    .unwrap_or_else(|e| panic!("support: cannot write {}: {e}", path.display()));
+            }
+            match spawn_and_wait(port, &dir, conf.as_deref(), &extra, &auth, tls) {
                 Ok(child) => {
                     return RedisServer {
                         last_pid: child.id(),
@@ -241,6 +262,7 @@ impl RedisServer {
                         extra,
                         auth,
                         tls,
+                        conf,
                     };
                 }
                 Err(e) => {
@@ -328,7 +350,15 @@ impl RedisServer {
         let deadline = Instant::now() + RESTART_BIND_WINDOW;
         let mut errors = Vec::new();
         loop {
-            match spawn_and_wait(self.port, &self.dir, &self.extra, &self.auth, self.tls) {
+            let conf = self.conf.as_deref();
+            match spawn_and_wait(
+                self.port,
+                &self.dir,
+                conf,
+                &self.extra,
+                &self.auth,
+                self.tls,
+            ) {
                 Ok(child) => {
                     self.last_pid = child.id();
                     self.child = Some(child);
@@ -514,10 +544,12 @@ fn diagnostics(dir: &Path) -> String {
 
 /// Spawns redis-server on `port` and waits until it is ready (its own log says
 /// it listens, and PING gets an answer). On failure the child is killed and
-/// reaped.
+/// reaped. `conf`: a Sentinel's config file, passed first and followed by
+/// `--sentinel` (a Sentinel's log never says it listens: its INFO names its pid).
 fn spawn_and_wait(
     port: u16,
     dir: &Path,
+    conf: Option<&Path>,
     extra: &[String],
     auth: &Auth,
     tls: bool,
@@ -539,7 +571,11 @@ fn spawn_and_wait(
     } else {
         vec!["--port".into(), port.to_string()]
     };
-    let mut child = Command::new(redis_server_bin())
+    let mut command = Command::new(redis_server_bin());
+    if let Some(conf) = conf {
+        command.arg(conf).arg("--sentinel");
+    }
+    let mut child = command
         .args(&ports)
         .args(["--bind", "127.0.0.1"])
         .args(["--save", ""])
