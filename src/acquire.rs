@@ -116,8 +116,17 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                 // Too few quorum members now (down, reconnecting, warming up): the wait goes
                 // on while it lasts, trying again after a pause of its own (no holder is there
                 // to wake it). Its clean-up stays armed: a silent member may have granted.
-                // Or too few replicas acknowledged a grant (given back): the same.
-                Err(e @ (Error::QuorumNotReached { .. } | Error::NotAcknowledged { .. })) => {
+                // Or too few replicas acknowledged a grant (given back): the same. So is a
+                // store unavailable for a moment (a failover, a reconnect) within a wait
+                // limit: its outcome is unknown, and the next attempt, with this claim's
+                // token, finds a grant it made (if the wait ends first, the clean-up gives it
+                // back). An unlimited wait reports the outage instead of hiding it.
+                Err(e)
+                    if matches!(
+                        e,
+                        Error::QuorumNotReached { .. } | Error::NotAcknowledged { .. }
+                    ) || (deadline.is_some() && crate::backend::unavailable(&e)) =>
+                {
                     if claim.unavailable.is_none() {
                         tracing::warn!(key = %target.key, error = %e, "waiting on");
                     }

@@ -605,6 +605,48 @@ pub(crate) fn refused(e: &Error) -> bool {
     }
 }
 
+/// A call the store could not serve now but may serve soon: its connection is down or
+/// timed out, or it is failing over (`LOADING`, `READONLY`, `MASTERDOWN`, `CLUSTERDOWN`,
+/// `TRYAGAIN`, `BUSY`). A waiting acquire waits on through it (its outcome unknown: the
+/// next attempt, with the same token, finds a grant it made).
+#[derive(Debug)]
+pub(crate) struct Unavailable(pub(crate) String);
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unavailable {}
+
+/// Whether `e` says the store may serve the call if it is tried again soon: an
+/// [`Unavailable`] store, or a call [`NotSent`].
+pub(crate) fn unavailable(e: &Error) -> bool {
+    matches!(e, Error::Backend { source }
+        if source.downcast_ref::<Unavailable>().is_some() || source.downcast_ref::<NotSent>().is_some())
+}
+
+/// The same error for another caller of one failed call (a batch's entries): the text, and
+/// whether it was [`Refused`], [`Unavailable`] or [`NotSent`].
+pub(crate) fn for_each_caller(e: &Error) -> Error {
+    let text = e.to_string();
+    match e {
+        Error::Backend { source } => {
+            if source.downcast_ref::<Refused>().is_some() {
+                Error::backend(Refused(source.to_string()))
+            } else if source.downcast_ref::<Unavailable>().is_some() {
+                Error::backend(Unavailable(source.to_string()))
+            } else if source.downcast_ref::<NotSent>().is_some() {
+                Error::backend(NotSent(source.to_string()))
+            } else {
+                Error::backend(source.to_string())
+            }
+        }
+        other => other.copied().unwrap_or_else(|| Error::backend(text)),
+    }
+}
+
 /// The same error again, for reporting one node's refusal as a quorum's answer.
 pub(crate) fn same_error(e: &Error) -> Error {
     match e {

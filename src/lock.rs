@@ -317,8 +317,15 @@ impl Lock {
     /// # Errors
     ///
     /// [`Error::Timeout`] after `wait_timeout`; [`Error::InvalidConfig`] for an empty name;
-    /// [`Error::Backend`] if the store fails; [`Error::QuorumNotReached`] if a
-    /// [`Redlock`](crate::Redlock) cannot reach a majority.
+    /// [`Error::Backend`] if the store fails in a way waiting does not cure (a refused
+    /// command, a script error), or is unavailable (a lost connection, a command timeout, a
+    /// failover in progress) and no `wait_timeout` is set: an outage is reported within the
+    /// command timeout, not hidden. With a `wait_timeout`, a store unavailable for a moment
+    /// is waited out, trying again with back-off, as are a [`Redlock`](crate::Redlock) that
+    /// cannot reach a majority and too few replicas acknowledging a grant
+    /// ([`ReplicaAck`](crate::ReplicaAck)) in any case; if the wait runs out meanwhile, the
+    /// last such error is returned ([`Error::Backend`], [`Error::QuorumNotReached`],
+    /// [`Error::NotAcknowledged`]) rather than [`Error::Timeout`].
     ///
     /// # Cancel safety
     ///

@@ -19,7 +19,8 @@ use redlease::backend::{
     Acquire, Attempt, Backend, Claim, ClaimKind, Grant, Lease, NodeTerms, Release,
 };
 use redlease::{
-    Error, LeaseKey, LockGuard, LockManager, LockOptions, RedisBackend, RedisOptions, Token,
+    Error, LeaseKey, LockGuard, LockManager, LockOptions, RedisBackend, RedisOptions, RetryPolicy,
+    Token,
 };
 use support::{
     field, held, holder, int_field, lease_ms, server_ms, sleep_async, wait_for_async, Checker,
@@ -1647,4 +1648,50 @@ async fn a_resent_first_attempt_finds_its_own_lease_despite_waiters() {
         matches!(again, Acquire::Granted(Grant { fencing_token: f, .. }) if f == fencing_token),
         "the re-sent attempt did not find its own lease: {again:?}"
     );
+}
+
+/// A waiting acquire with a limit waits out a server that stops answering for a while (a
+/// failover, a stall): its re-checks during the pause fail with the command timeout (200 ms),
+/// and it goes on trying with back-off instead of ending with that error; once the server
+/// answers again and the holder releases, the waiter gets the lock. (Before, the first failed
+/// re-check ended the wait with `Error::Backend`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_with_a_limit_waits_out_a_server_that_stops_answering() {
+    let srv = RedisServer::start();
+    let holder = manager(&srv, LockOptions::new().ttl(secs(10))).await;
+    // Re-checks every 100 ms: several fall in the pause.
+    let patient = LockOptions::new()
+        .ttl(secs(10))
+        .retry(RetryPolicy::notify().min_delay(ms(50)).max_delay(ms(100)));
+    let waiter_m = manager(&srv, patient).await;
+    let held = holder
+        .lock("outage-waiter")
+        .try_acquire()
+        .await
+        .expect("acquire")
+        .expect("free");
+    let lock = waiter_m.lock("outage-waiter");
+    let waiter = tokio::spawn(async move { lock.acquire_timeout(secs(20)).await });
+    let key = held_key(&holder, "outage-waiter");
+    srv.wait_until(secs(3), |s| field(s, &key, "w").is_some());
+    srv.pause();
+    // Long enough for re-checks to time out and for the client to drop the silent
+    // connection (twice the command timeout): a stall, not a scheduling hiccup.
+    tokio::time::sleep(ms(1500)).await;
+    assert!(!waiter.is_finished(), "the waiter ended during the outage");
+    srv.resume();
+    tokio::time::timeout(secs(10), held.release())
+        .await
+        .expect("release hung")
+        .expect("release after resume");
+    let next = tokio::time::timeout(secs(15), waiter)
+        .await
+        .expect("the waiter finished")
+        .expect("task")
+        .expect("the waiter waited out the outage and got the lock");
+    next.release().await.expect("release");
+}
+
+fn held_key(m: &LockManager, name: &str) -> String {
+    m.lock(name).key().as_str().to_owned()
 }

@@ -266,7 +266,7 @@ impl RedisBackend {
         let reply: Result<Value> =
             in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
                 .await
-                .map_err(Error::backend);
+                .map_err(connect::store_error);
         let readonly = match &reply {
             Err(e) => connect::readonly(&e.to_string()),
             Ok(Value::Array(entries)) => entries

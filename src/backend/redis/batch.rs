@@ -239,9 +239,8 @@ async fn answer<Resp>(
             }
         }
         Err(e) => {
-            let msg = e.to_string();
             for tx in txs {
-                let _ = tx.send(Err(Error::backend(msg.clone())));
+                let _ = tx.send(Err(crate::backend::for_each_caller(&e)));
             }
         }
     }

@@ -494,6 +494,37 @@ async fn first_connection(client: &Client) -> Result<()> {
         .map_err(Error::backend)
 }
 
+/// A fred error as the crate's: [`Unavailable`](crate::backend::Unavailable) for one that
+/// may pass if the call is tried again soon (the connection, a timeout, a failover or a
+/// resharding in progress, a server still loading), so that a waiting acquire waits on
+/// through it; any other as it is.
+pub(super) fn store_error(e: fred::error::Error) -> Error {
+    use fred::error::ErrorKind;
+    const PASSING: [&str; 6] = [
+        "LOADING",
+        "READONLY",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+        "BUSY ",
+    ];
+    let passing = matches!(
+        e.kind(),
+        ErrorKind::IO
+            | ErrorKind::Timeout
+            | ErrorKind::Canceled
+            | ErrorKind::Routing
+            | ErrorKind::Sentinel
+            | ErrorKind::Cluster
+            | ErrorKind::Backpressure
+    ) || PASSING.iter().any(|p| e.details().starts_with(p));
+    if passing {
+        Error::backend(crate::backend::Unavailable(e.to_string()))
+    } else {
+        Error::backend(e)
+    }
+}
+
 /// Whether a server's error (or an entry's, in a batch) says it is a replica now: a primary
 /// demoted behind the connection's back (a failover that did not kill its clients, a URL
 /// that names a fixed host).

@@ -81,13 +81,12 @@ impl RedisBackend {
                     }
                 }
                 Err(e) => {
-                    let msg = e.to_string();
-                    let gone = readonly(&msg);
+                    let gone = readonly(&e.to_string());
                     for i in idx {
                         out[i] = Some(if gone {
                             Extended::Gone
                         } else {
-                            Extended::Failed(Error::backend(msg.clone()))
+                            Extended::Failed(crate::backend::for_each_caller(&e))
                         });
                     }
                 }

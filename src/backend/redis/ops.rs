@@ -163,9 +163,8 @@ impl RedisBackend {
                 }
                 // A phase that failed as a whole fails its own operations only.
                 Err(e) => {
-                    let msg = e.to_string();
                     for i in idx {
-                        out[i] = Some(Err(Error::backend(msg.clone())));
+                        out[i] = Some(Err(crate::backend::for_each_caller(&e)));
                     }
                 }
             }

@@ -472,9 +472,8 @@ impl Shards {
                 }
                 Err(e) => {
                     refresh = true;
-                    let msg = e.to_string();
                     for i in idx {
-                        out[i] = Some(Extended::Failed(Error::backend(msg.clone())));
+                        out[i] = Some(Extended::Failed(crate::backend::for_each_caller(&e)));
                     }
                 }
             }
