@@ -180,8 +180,8 @@ pub struct Grant {
     pub lease: Token,
     /// For a reentrant hold, the owner's hold count, this hold included.
     pub hold_count: Option<u32>,
-    /// The replicas that acknowledged the grant, under a
-    /// [`ReplicaAck`](crate::ReplicaAck) policy; `None` when none applies.
+    /// The replicas that acknowledged the grant, under a [`ReplicaAck`] policy; `None` when
+    /// none applies.
     pub replicas: Option<u32>,
 }
 
