@@ -127,17 +127,10 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                         Error::QuorumNotReached { .. } | Error::NotAcknowledged { .. }
                     ) || (deadline.is_some() && crate::backend::unavailable(&e)) =>
                 {
-                    if claim.unavailable.is_none() {
-                        tracing::warn!(key = %target.key, error = %e, "waiting on");
-                    }
-                    claim.unavailable = Some(e);
                     arriving = false;
-                    // Backing off from min_delay to max_delay: an outage may be long.
-                    let pause = jitter(unavailable_pause, 0.5);
-                    unavailable_pause = unavailable_pause.saturating_mul(2).min(recheck);
-                    if runtime::until(deadline, runtime::sleep(pause))
+                    if !claim
+                        .wait_on(e, &mut unavailable_pause, recheck, deadline)
                         .await
-                        .is_none()
                     {
                         return Err(claim.timeout());
                     }
@@ -155,9 +148,21 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
                 // Subscribe, then check again: a release (or hand-off) that came before the
                 // subscription was confirmed is seen by that check.
                 let subscribed = (*target.manager.backend).subscribe(&claim.pending.claim);
-                let subscribed = runtime::until(deadline, subscribed)
-                    .await
-                    .ok_or_else(|| claim.timeout())??;
+                let subscribed = match runtime::until(deadline, subscribed).await {
+                    None => return Err(claim.timeout()),
+                    Some(Ok(subscribed)) => subscribed,
+                    // As for an attempt (above): a store unavailable for a moment.
+                    Some(Err(e)) if deadline.is_some() && crate::backend::unavailable(&e) => {
+                        if !claim
+                            .wait_on(e, &mut unavailable_pause, recheck, deadline)
+                            .await
+                        {
+                            return Err(claim.timeout());
+                        }
+                        continue;
+                    }
+                    Some(Err(e)) => return Err(e),
+                };
                 if !yielded {
                     sub = Some(subscribed);
                     continue;
@@ -227,6 +232,27 @@ impl<'a> Attempts<'a> {
             began: Instant::now(),
             unavailable: None,
         }
+    }
+
+    /// Keeps `e` as the reason the wait goes on (the error if it runs out), and pauses,
+    /// backing off from `pause` (doubled up to `max`: an outage may be long); `false` if the
+    /// deadline came first.
+    async fn wait_on(
+        &mut self,
+        e: Error,
+        pause: &mut Duration,
+        max: Duration,
+        deadline: Option<Instant>,
+    ) -> bool {
+        if self.unavailable.is_none() {
+            tracing::warn!(key = %self.target.key, error = %e, "waiting on");
+        }
+        self.unavailable = Some(e);
+        let this = jitter(*pause, 0.5);
+        *pause = pause.saturating_mul(2).min(max);
+        runtime::until(deadline, runtime::sleep(this))
+            .await
+            .is_some()
     }
 
     /// The error of a wait that ran out.

@@ -421,11 +421,36 @@ struct Running {
 impl Drop for Running {
     fn drop(&mut self) {
         let mut reg = self.shared.registry();
-        if reg.running == Some(self.generation) {
-            reg.running = None;
+        if reg.running != Some(self.generation) {
+            return;
+        }
+        reg.running = None;
+        // Its calls on their way went with it: the next task sends those leases again.
+        for e in reg.entries.values_mut() {
+            e.in_flight = false;
+        }
+        // A task that panicked (a store's bug) is started again after a pause, if leases
+        // are held: a registration made while it unwound saw it running and started none.
+        // (A task dropped by a runtime shutting down is not: it would be dropped again.)
+        if std::thread::panicking() && !reg.entries.is_empty() {
+            reg.generations += 1;
+            let generation = reg.generations;
+            reg.running = Some(generation);
+            drop(reg);
+            let running = Running {
+                shared: self.shared.clone(),
+                generation,
+            };
+            runtime::background().spawn(async move {
+                runtime::sleep(RESTART_AFTER_PANIC).await;
+                run(running).await;
+            });
         }
     }
 }
+
+/// How long a watchdog task that panicked waits before it starts again.
+const RESTART_AFTER_PANIC: Duration = Duration::from_millis(50);
 
 /// How long the task stays when no lease is held, so that a manager taking one lease at a
 /// time does not start a task per lease.

@@ -4,12 +4,15 @@
 
 mod support;
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use redlease::{
-    LockGuard, LockManager, LockOptions, Owner, RedisBackend, RedisOptions, ReplicaAck, RetryPolicy,
+    Cache, CacheOptions, LeaseKey, LockGuard, LockManager, LockOptions, Owner, RedisBackend,
+    RedisOptions, ReplicaAck, RetryPolicy,
 };
 use support::RedisCluster;
+use tokio::sync::Notify;
 
 /// A long fallback re-check: a waiter that gets the lock well before it was woken by the
 /// release's message.
@@ -480,6 +483,78 @@ fn shard_subscribers(node: &support::RedisServer, channel: &str) -> i64 {
         .as_array()
         .and_then(|a| a.get(1).and_then(support::Resp::as_int))
         .unwrap_or(0)
+}
+
+/// The stampede cache on a cluster: a compute round that ends without a fill (its lease was
+/// taken from it, so its fill is refused) wakes the waiters of other processes by a message
+/// on the key's shard channel, not by their lease-long timer (10 s here). Its notice went by
+/// plain PUBLISH once, which no shard-channel subscriber receives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_round_that_ends_without_a_fill_wakes_other_processes() {
+    let cluster = RedisCluster::start(3, 0);
+    let url = cluster.url();
+    let opts = RedisOptions::new();
+    let copts = CacheOptions::new().lease_ttl(Duration::from_secs(10));
+    let a = Cache::with_options(
+        RedisBackend::connect_with(&url, opts.clone())
+            .await
+            .expect("a"),
+        copts.clone(),
+    )
+    .expect("cache a");
+    let b = Cache::with_options(
+        RedisBackend::connect_with(&url, opts.clone())
+            .await
+            .expect("b"),
+        copts,
+    )
+    .expect("cache b");
+    let ctl = RedisBackend::connect_with(&url, opts).await.expect("ctl");
+    let key = LeaseKey::new("redlease:cache:", "k");
+    let node = &cluster.nodes[cluster.owner(key.as_str(), 0)];
+    let (computing, proceed) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let first = {
+        let (computing, proceed) = (computing.clone(), proceed.clone());
+        tokio::spawn(async move {
+            a.get_with("k", Duration::from_secs(60), || async move {
+                computing.notify_one();
+                proceed.notified().await;
+                "a"
+            })
+            .await
+        })
+    };
+    computing.notified().await;
+    let second = tokio::spawn(async move {
+        let got = b
+            .get_with("k", Duration::from_secs(60), || async { "b" })
+            .await;
+        (got, Instant::now())
+    });
+    let channel = format!("{}:filled", key.as_str());
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || shard_subscribers(
+            node, &channel
+        ) > 0)
+        .await,
+        "the other process waits on the fill channel"
+    );
+    // The compute lease is taken from the first: its fill is refused, and its round ends
+    // with a notice.
+    assert!(ctl.force_release(&key).await.expect("force release"));
+    proceed.notify_one();
+    first
+        .await
+        .expect("task")
+        .expect("the first gets its own value");
+    let ended = Instant::now();
+    let (got, at) = second.await.expect("task");
+    got.expect("the other process gets a value");
+    let late = at.saturating_duration_since(ended);
+    assert!(
+        late < Duration::from_secs(5),
+        "the other process was woken {late:?} after the round ended (its timer: 10 s)"
+    );
 }
 
 /// A held lock's slot is migrated to another primary (`CLUSTER SETSLOT` and `MIGRATE`, as a

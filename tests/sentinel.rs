@@ -671,3 +671,117 @@ async fn a_demoted_primary_answering_readonly_loses_the_lease_at_once() {
     );
     eprintln!("demoted primary: lost {after:?} after the demotion");
 }
+
+/// A waiting acquire with a limit waits out a server that cannot write for a moment: a
+/// primary demoted for 500 ms (its scripts' writes answered `READONLY`, each entry on its
+/// own), and one whose `min-replicas-to-write` cannot be met for 500 ms (`NOREPLICAS`). Such
+/// an entry's error is one that may pass; it was taken for a refusal, and the wait ended at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_waits_out_readonly_and_noreplicas() {
+    let d = RedisSentinels::start(1, 0);
+    let (primary, replica) = (&d.nodes[0], &d.nodes[1]);
+    let locks = manager(&primary.url(), ReplicaAck::Off, secs(5)).await;
+    // Demoted without its clients being closed, for 500 ms.
+    assert!(replica.cmd(&["REPLICAOF", "NO", "ONE"]).is_ok());
+    let port = replica.port().to_string();
+    assert!(primary.cmd(&["REPLICAOF", "127.0.0.1", &port]).is_ok());
+    let p_port = primary.port();
+    let undo = std::thread::spawn(move || {
+        std::thread::sleep(ms(500));
+        support::Conn::connect(p_port, secs(1))
+            .and_then(|mut c| c.cmd(&["REPLICAOF", "NO", "ONE"]))
+            .expect("promote back")
+    });
+    let got = locks.lock("readonly").acquire_timeout(secs(10)).await;
+    undo.join().expect("undo");
+    got.expect("the wait outlasted READONLY")
+        .release()
+        .await
+        .expect("release");
+
+    assert!(primary
+        .cmd(&["CONFIG", "SET", "min-replicas-to-write", "5"])
+        .is_ok());
+    let undo = std::thread::spawn(move || {
+        std::thread::sleep(ms(500));
+        support::Conn::connect(p_port, secs(1))
+            .and_then(|mut c| c.cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"]))
+            .expect("allow writes")
+    });
+    let got = locks.lock("noreplicas").acquire_timeout(secs(10)).await;
+    undo.join().expect("undo");
+    got.expect("the wait outlasted NOREPLICAS")
+        .release()
+        .await
+        .expect("release");
+}
+
+/// With acknowledgement on, a `WAIT` whose connection is killed (the replica paused, so it
+/// waits) is a failure that may pass: a waiting acquire with a limit goes on, and gets the
+/// lock once the replica answers again. It ended the wait at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_waits_out_a_failed_acknowledgement() {
+    let d = RedisSentinels::start(1, 0);
+    let (primary, replica) = (&d.nodes[0], &d.nodes[1]);
+    let options = RedisOptions::new()
+        .command_timeout(secs(3))
+        .replica_ack(ReplicaAck::replicas(1).timeout(ms(1500)));
+    let backend = RedisBackend::connect_with(&primary.url(), options)
+        .await
+        .expect("connect");
+    let locks = LockManager::new(backend);
+    replica.pause();
+    let p_port = primary.port();
+    let killer = std::thread::spawn(move || {
+        // While the first WAIT waits for the paused replica.
+        std::thread::sleep(ms(400));
+        support::Conn::connect(p_port, secs(1))
+            .and_then(|mut c| c.cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]))
+            .expect("kill")
+    });
+    let lock = locks.lock("wait-killed");
+    let waiting = tokio::spawn(async move { lock.acquire_timeout(secs(20)).await });
+    killer.join().expect("killer");
+    // The acquire outlives the kill, then gets its grant acknowledged once the replica runs.
+    std::thread::sleep(ms(1000));
+    assert!(!waiting.is_finished(), "the wait ended at the failed WAIT");
+    replica.resume();
+    let g = waiting
+        .await
+        .expect("task")
+        .expect("acknowledged after the replica resumed");
+    assert!(g.replicas_acked() >= Some(1));
+}
+
+/// A holder label that reads like a server's error ("READONLY ...") is data: reading it back
+/// (`inspect`) does not make the backend think the server was demoted and reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_that_reads_like_an_error_is_data() {
+    let server = RedisServer::start();
+    let locks = manager(&server.url(), ReplicaAck::Off, secs(5)).await;
+    let connections = || server.info_field("stats", "total_connections_received");
+    let g = locks
+        .lock_with("label", |o| o.holder_label("READONLY mirror"))
+        .expect("options")
+        .try_acquire()
+        .await
+        .expect("acquire")
+        .expect("free");
+    let before = connections();
+    let info = locks.lock("label").inspect().await.expect("inspect");
+    assert_eq!(
+        info.and_then(|i| i.holder_label).as_deref(),
+        Some("READONLY mirror")
+    );
+    // A reconnect would be under way by the next command's answer.
+    locks.lock("label").inspect().await.expect("inspect again");
+    // (Each look opens one connection of the harness's own.)
+    let after = connections();
+    assert_eq!(
+        after.and_then(|a| a.parse::<u64>().ok()),
+        before.and_then(|b| b.parse::<u64>().ok()).map(|b| b + 1),
+        "the label made the backend reconnect"
+    );
+    g.release().await.expect("release");
+}

@@ -128,6 +128,8 @@ struct SlowReply {
     release: Arc<tokio::sync::Notify>,
     fail_extends: Arc<AtomicBool>,
     grant_delay: Duration,
+    /// The next extension panics (a bug in a store), ending the watchdog task mid-call.
+    panic_next: Arc<AtomicBool>,
 }
 
 #[async_trait::async_trait]
@@ -152,6 +154,9 @@ impl Backend for SlowReply {
         leases: &[Lease<'_>],
         terms: NodeTerms,
     ) -> redlease::Result<Vec<redlease::backend::Extended>> {
+        if self.panic_next.swap(false, Ordering::SeqCst) {
+            panic!("a store's extension bug");
+        }
         let reply = self.inner.extend(leases, terms).await;
         if self.fail_extends.load(Ordering::SeqCst) {
             return Ok(leases
@@ -281,4 +286,43 @@ fn watchdog_keeps_running_after_the_runtime_that_started_it_goes_idle() {
         assert!(!g1.is_lost());
     });
     drop(first);
+}
+
+/// A watchdog task that dies with a call on its way (a store's extension panics) leaves no
+/// lease behind it: a task is started again and extends that call's leases, and the lease
+/// registered while the dead one unwound. (The leases of a call on its way are not sent
+/// again until it is answered; a task that died once stranded them, and a registration made
+/// while it unwound saw it running and started none: every lease was lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leases_of_a_watchdog_task_that_died_are_extended_by_the_next() {
+    let store = SlowReply::default();
+    store.panic_next.store(true, Ordering::SeqCst);
+    let opts = LockOptions::new()
+        .ttl(Duration::from_millis(600))
+        .watchdog_interval(Duration::from_millis(100));
+    let locks = LockManager::with_options(store.clone(), opts).expect("options");
+    let a = locks.lock("a").try_acquire().await.unwrap().expect("free");
+    assert!(
+        support::wait_for_async(Duration::from_secs(5), || !store
+            .panic_next
+            .load(Ordering::SeqCst))
+        .await,
+        "the first extension ran (and panicked)"
+    );
+    // A new registration starts a new task.
+    let b = locks.lock("b").try_acquire().await.unwrap().expect("free");
+    // Extensions enough for both leases over more than a TTL (one every 100 ms each).
+    assert!(
+        support::wait_for_async(Duration::from_secs(10), || locks.watchdog_stats().extended
+            >= 14)
+        .await,
+        "{:?}",
+        locks.watchdog_stats()
+    );
+    assert!(!b.is_lost());
+    assert!(
+        !a.is_lost(),
+        "the dead task's lease was stranded: {:?}",
+        locks.watchdog_stats()
+    );
 }

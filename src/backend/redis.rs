@@ -254,30 +254,29 @@ impl RedisBackend {
         }
     }
 
-    /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context. A reply that says
-    /// the server is a replica now (`READONLY`, for the call or one of its entries: a
-    /// demoted primary) has the connection remade (see `connect::Demoted`).
+    /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context. An error that says
+    /// the server is a replica now (`READONLY`: a demoted primary) has the connection remade;
+    /// the batched scripts' entries are looked at where they are read (`ops.rs`,
+    /// `extend.rs`).
     async fn eval<R: FromValue>(
         &self,
         script: &Script,
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<R> {
-        let reply: Result<Value> =
-            in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args))
-                .await
-                .map_err(connect::store_error);
-        let readonly = match &reply {
-            Err(e) => connect::readonly(&e.to_string()),
-            Ok(Value::Array(entries)) => entries
-                .iter()
-                .any(|v| matches!(v, Value::String(s) if connect::readonly(s))),
-            Ok(_) => false,
-        };
-        if readonly {
+        let reply = in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args)).await;
+        reply.map_err(|e| {
+            self.said(e.details());
+            connect::store_error(e)
+        })
+    }
+
+    /// Takes note of a server's error (a call's, or one entry's): a `READONLY` has the
+    /// connection remade (see `connect::Demoted`).
+    fn said(&self, error: &str) {
+        if connect::readonly(error) {
             self.inner.demoted.reconnect(&self.inner.client);
         }
-        R::from_value(reply?).map_err(Error::backend)
     }
 }
 

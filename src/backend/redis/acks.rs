@@ -193,15 +193,17 @@ pub(super) struct Acks {
 /// The command connection before a write: an acknowledgement counts only if it is the same
 /// one after the `WAIT`. Told by its `CLIENT ID` (which fred reads as it connects); by the
 /// count of reconnects where that is unknown (an ACL that refuses `CLIENT ID`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct Mark {
     reconnects: u64,
-    id: Option<i64>,
+    /// The server's address and the connection's id there (ids count per server: a
+    /// promoted replica may give a new connection the old one's id).
+    id: Option<(String, i64)>,
 }
 
 impl Mark {
-    fn same(self, now: Mark) -> bool {
-        match (self.id, now.id) {
+    fn same(&self, now: &Mark) -> bool {
+        match (&self.id, &now.id) {
             (Some(before), Some(after)) => before == after,
             _ => self.reconnects == now.reconnects,
         }
@@ -224,7 +226,11 @@ impl Acks {
     pub(super) fn mark(&self, client: &Client) -> Mark {
         Mark {
             reconnects: self.reconnects.load(Ordering::Acquire),
-            id: client.connection_ids().into_values().next(),
+            id: client
+                .connection_ids()
+                .into_iter()
+                .next()
+                .map(|(server, id)| (server.to_string(), id)),
         }
     }
 
@@ -250,9 +256,10 @@ impl Acks {
                     refused["refused:".len()..].trim().to_owned(),
                 ))
             }
-            Err(failed) => return Err(Error::backend(failed)),
+            // A dropped connection or a timeout: it may pass (a waiting acquire waits on).
+            Err(failed) => return Err(Error::backend(crate::backend::Unavailable(failed))),
         };
-        if !mark.same(self.mark(client)) {
+        if !mark.same(&self.mark(client)) {
             return Err(Error::NotAcknowledged {
                 acked: 0,
                 required,
@@ -420,5 +427,5 @@ impl RedisBackend {
 
 /// The same error again, for each lease it fails.
 fn again(e: &Error) -> Error {
-    e.copied().unwrap_or_else(|| crate::backend::same_error(e))
+    crate::backend::for_each_caller(e)
 }

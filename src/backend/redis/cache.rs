@@ -172,10 +172,14 @@ impl ValueStore for RedisValues {
         use fred::interfaces::PubsubInterface;
         let backend = self.backend.serving(key.as_str()).await?;
         let client = backend.client();
-        in_tokio(client.publish::<i64, _, _>(part(key, Part::Filled), "1"))
-            .await
-            .map(drop)
-            .map_err(Error::backend)
+        let channel = part(key, Part::Filled);
+        // On a cluster node, to the shard channel its waiters SSUBSCRIBE to.
+        let published = if backend.inner.clustered {
+            in_tokio(client.spublish::<i64, _, _>(channel, "1")).await
+        } else {
+            in_tokio(client.publish::<i64, _, _>(channel, "1")).await
+        };
+        published.map(drop).map_err(super::connect::store_error)
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {

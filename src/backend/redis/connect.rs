@@ -500,14 +500,6 @@ async fn first_connection(client: &Client) -> Result<()> {
 /// through it; any other as it is.
 pub(super) fn store_error(e: fred::error::Error) -> Error {
     use fred::error::ErrorKind;
-    const PASSING: [&str; 6] = [
-        "LOADING",
-        "READONLY",
-        "MASTERDOWN",
-        "CLUSTERDOWN",
-        "TRYAGAIN",
-        "BUSY ",
-    ];
     let passing = matches!(
         e.kind(),
         ErrorKind::IO
@@ -517,7 +509,7 @@ pub(super) fn store_error(e: fred::error::Error) -> Error {
             | ErrorKind::Sentinel
             | ErrorKind::Cluster
             | ErrorKind::Backpressure
-    ) || PASSING.iter().any(|p| e.details().starts_with(p));
+    ) || passing(e.details());
     if passing {
         Error::backend(crate::backend::Unavailable(e.to_string()))
     } else {
@@ -525,11 +517,27 @@ pub(super) fn store_error(e: fred::error::Error) -> Error {
     }
 }
 
-/// Whether a server's error (or an entry's, in a batch) says it is a replica now: a primary
-/// demoted behind the connection's back (a failover that did not kill its clients, a URL
-/// that names a fixed host).
+/// Whether a server's error (a call's, or one entry's of a batch) says the server cannot
+/// serve writes now but may soon: a failover or a resharding in progress, a server still
+/// loading, too few replicas for `min-replicas-to-write`.
+pub(super) fn passing(said: &str) -> bool {
+    const PASSING: [&str; 7] = [
+        "LOADING",
+        "READONLY",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+        "BUSY ",
+        "NOREPLICAS",
+    ];
+    PASSING.iter().any(|p| said.starts_with(p))
+}
+
+/// Whether a server's error (a call's, or one entry's of a batch) says it is a replica now: a
+/// primary demoted behind the connection's back (a failover that did not kill its clients, a
+/// URL that names a fixed host).
 pub(super) fn readonly(said: &str) -> bool {
-    said.contains("READONLY")
+    said.starts_with("READONLY")
 }
 
 /// After a `READONLY`: the connection is remade (at most once a second), so that a client

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use fred::types::{Key, Value};
 
-use super::connect::readonly;
+use super::connect::{passing, readonly};
 use super::keys::{check_ttl, ms};
 use super::RedisBackend;
 use crate::backend::{clock_drift, Extended, Lease, NodeTerms};
@@ -65,6 +65,8 @@ impl RedisBackend {
             futures::future::join_all(reign_calls)
         );
         let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
+        // A lease answered READONLY: the server is a replica now.
+        let mut demoted = false;
         for (idx, reply) in plain_out.into_iter().chain(reign_out) {
             // A call that failed as a whole (a timeout, say) fails its own leases only.
             let reply = reply.and_then(|r| {
@@ -77,11 +79,13 @@ impl RedisBackend {
             match reply {
                 Ok(reply) => {
                     for (i, v) in idx.into_iter().zip(reply) {
+                        demoted |= v.as_str().is_some_and(|s| readonly(&s));
                         out[i] = Some(extended(&leases[i], v));
                     }
                 }
                 Err(e) => {
-                    let gone = readonly(&e.to_string());
+                    // (The call's own error, from the server: no user data in its text.)
+                    let gone = e.to_string().contains("READONLY");
                     for i in idx {
                         out[i] = Some(if gone {
                             Extended::Gone
@@ -102,6 +106,9 @@ impl RedisBackend {
                 })
             })
             .collect();
+        if demoted {
+            self.said("READONLY");
+        }
         // The round's extensions, acknowledged by one WAIT (shared with concurrent grants).
         Ok(self.extensions_acknowledged(out, mark).await)
     }
@@ -149,10 +156,14 @@ fn extended(lease: &Lease<'_>, v: Value) -> Extended {
         // The server is a replica now (a demoted primary): whether the lease is on the new
         // primary is unknown here, so it is lost at once, not at its deadline.
         _ if v.as_str().is_some_and(|s| readonly(&s)) => Extended::Gone,
-        _ => Extended::Failed(Error::backend(format!(
-            "extending {}: {}",
-            lease.key,
-            v.as_string().unwrap_or_default()
-        ))),
+        _ => {
+            let said = v.as_string().unwrap_or_default();
+            let what = format!("extending {}: {said}", lease.key);
+            Extended::Failed(if passing(&said) {
+                Error::backend(crate::backend::Unavailable(what))
+            } else {
+                Error::backend(what)
+            })
+        }
     }
 }

@@ -101,10 +101,20 @@ impl RedisBackend {
         // A release is sent even if its caller stops waiting for the answer.
         let keep = matches!(op, Op::Release { .. });
         let this = self.clone();
-        self.inner
+        let outcome = self
+            .inner
             .ops
             .call(op, keep, move |ops| this.clone().ops_batch(ops))
-            .await?
+            .await?;
+        if let Err(Error::Backend { source }) = &outcome {
+            // An entry's own error: "<key>: <what the server said>".
+            let text = source.to_string();
+            self.said(
+                text.split_once(": ")
+                    .map_or(text.as_str(), |(_, said)| said),
+            );
+        }
+        outcome
     }
 
     /// Sends queued operations as few script calls as their order allows: operations on
@@ -420,13 +430,16 @@ fn pairs(reply: Vec<Value>, ops: &[Op]) -> Result<Vec<Outcome>> {
         .collect())
 }
 
-/// The error of one operation's own commands, as its script reported it.
+/// The error of one operation's own commands, as its script reported it: refused for good,
+/// unless the server said it cannot write now but may soon (a failover, too few replicas).
 fn failed(op: &Op, text: &Value) -> Error {
-    Error::backend(Refused(format!(
-        "{}: {}",
-        op.key(),
-        text.as_string().unwrap_or_else(|| format!("{text:?}"))
-    )))
+    let said = text.as_string().unwrap_or_else(|| format!("{text:?}"));
+    let what = format!("{}: {said}", op.key());
+    if super::connect::passing(&said) {
+        Error::backend(crate::backend::Unavailable(what))
+    } else {
+        Error::backend(Refused(what))
+    }
 }
 
 /// Reentrant holds must be [`Token::hold`]s: the lease token of a reign is its first hold,

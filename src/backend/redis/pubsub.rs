@@ -151,7 +151,8 @@ impl PubSub {
             "the Redis user {user} {why}: waiters are not woken by releases and find a free \
              lock only by their fallback re-check (RetryPolicy max_delay), so hand-offs take \
              that long instead of a round trip; locks still work. Grant the lock channels, \
-             e.g. ACL SETUSER {user} +subscribe +publish &redlease:* (the key prefix in use)"
+             e.g. ACL SETUSER {user} +subscribe +publish +ssubscribe +spublish &redlease:* \
+             (the key prefix in use; the s- commands for a cluster)"
         );
     }
 
@@ -193,7 +194,7 @@ impl PubSub {
             Ok::<_, fred::error::Error>(())
         });
         match started.await {
-            Some(result) => result.map_err(Error::backend),
+            Some(result) => result.map_err(super::connect::store_error),
             None => Err(Error::backend("the background runtime is gone")),
         }
     }
@@ -257,7 +258,7 @@ impl PubSub {
         if first {
             self.subscribe_to(guard.channel.clone())
                 .await
-                .map_err(Error::backend)?;
+                .map_err(super::connect::store_error)?;
         }
         drop(started);
         Ok(Subscription::new(event).with_guard(guard))

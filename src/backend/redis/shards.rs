@@ -379,7 +379,9 @@ impl Shards {
                 let changed = *read(&self.table) != table;
                 *write(&self.table) = table;
                 self.generation.fetch_add(1, Ordering::AcqRel);
-                if changed {
+                // Also when unchanged, if subscriptions live: one that could not be moved at
+                // the last change is tried again (moving costs nothing for the others).
+                if changed || !lock(&self.routes).is_empty() {
                     self.reroute_soon();
                 }
                 true
