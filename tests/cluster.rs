@@ -75,12 +75,7 @@ async fn locks_on_every_shard_exclude_and_wake_their_waiters() {
     let a = manager(&cluster, patient()).await;
     let b = manager(&cluster, patient()).await;
     for name in &names {
-        let held = a
-            .lock(name)
-            .try_acquire()
-            .await
-            .expect("acquire")
-            .expect("free");
+        let held = support::take(&a, name).await;
         assert!(
             b.lock(name).try_acquire().await.expect("try").is_none(),
             "{name}"
@@ -289,12 +284,7 @@ async fn with_replica_acknowledgement_a_grant_outlives_its_primarys_failover() {
     let locks = LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options");
     let mut guards = Vec::new();
     for name in &names {
-        let g = locks
-            .lock(name)
-            .try_acquire()
-            .await
-            .expect("acquire")
-            .expect("free");
+        let g = support::take(&locks, name).await;
         assert_eq!(g.replicas_acked(), Some(1), "{name}: one replica has it");
         guards.push(g);
     }
@@ -386,12 +376,8 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
         .expect("options");
     let key = locks.lock(&names[0]).key().as_str().to_owned();
     let before = cluster.owner(&key, 1);
-    locks
-        .lock(&names[0])
-        .try_acquire()
+    support::take(&locks, &names[0])
         .await
-        .expect("acquire")
-        .expect("free")
         .release()
         .await
         .expect("release");
@@ -426,12 +412,7 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
     ));
     g.release().await.expect("release");
     for name in &names[1..] {
-        let g = locks
-            .lock(name)
-            .try_acquire()
-            .await
-            .expect("acquire")
-            .expect("free");
+        let g = support::take(&locks, name).await;
         g.release().await.expect("release");
     }
 }
@@ -447,12 +428,7 @@ async fn a_killed_subscriber_resubscribes_its_shard_channels() {
     let other = manager(&cluster, patient()).await;
     let key = holder.lock(&name).key().as_str().to_owned();
     let node = &cluster.nodes[cluster.owner(&key, 0)];
-    let held = holder
-        .lock(&name)
-        .try_acquire()
-        .await
-        .expect("acquire")
-        .expect("free");
+    let held = support::take(&holder, &name).await;
     let waiter = {
         let lock = other.lock(&name);
         tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await })
@@ -588,12 +564,7 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
         .as_int()
         .expect("KEYSLOT")
         .to_string();
-    let held = holder
-        .lock(&name)
-        .try_acquire()
-        .await
-        .expect("acquire")
-        .expect("free");
+    let held = support::take(&holder, &name).await;
     // A waiter subscribed on the old owner before the move.
     let early = {
         let lock = other.lock(&name);

@@ -123,12 +123,7 @@ async fn held_leases_and_a_waiter_survive_a_failover_and_later_grants_fence_abov
     let mut guards = Vec::new();
     let mut sections = Vec::new();
     for (name, checker) in names.iter().zip(&checkers) {
-        let g = a
-            .lock(name)
-            .try_acquire()
-            .await
-            .expect("acquire")
-            .expect("free");
+        let g = support::take(&a, name).await;
         sections.push(checker.enter(g.fencing_token()));
         guards.push(g);
     }
@@ -234,12 +229,7 @@ async fn held_leases_and_a_waiter_survive_a_failover_and_later_grants_fence_abov
     for (i, (g, s)) in guards.zip(sections).enumerate().map(|(i, gs)| (i + 1, gs)) {
         s.exit();
         g.release().await.expect("release on the new primary");
-        let again = b
-            .lock(names[i])
-            .try_acquire()
-            .await
-            .expect("acquire after the failover")
-            .expect("free once released");
+        let again = support::take(&b, names[i]).await;
         let section = checkers[i].enter(again.fencing_token());
         assert!(
             again.fencing_token() > earlier[i],
@@ -251,12 +241,7 @@ async fn held_leases_and_a_waiter_survive_a_failover_and_later_grants_fence_abov
         section.exit();
         again.release().await.expect("release");
     }
-    let fresh = a
-        .lock("failover-fresh")
-        .try_acquire()
-        .await
-        .expect("a new lock after the failover")
-        .expect("free");
+    let fresh = support::take(&a, "failover-fresh").await;
     fresh.release().await.expect("release");
     for c in &checkers {
         c.assert_ok();
@@ -282,12 +267,7 @@ async fn an_acknowledged_grant_survives_the_primary_killed_right_after_it() {
     let ttl = secs(10);
     let a = manager(&url, ReplicaAck::replicas(1), ttl).await;
     let key = key_of(&a, "acked");
-    let guard = a
-        .lock("acked")
-        .try_acquire()
-        .await
-        .expect("acquire")
-        .expect("free");
+    let guard = support::take(&a, "acked").await;
     assert!(
         guard.replicas_acked() >= Some(1),
         "{:?}",
@@ -316,12 +296,7 @@ async fn an_acknowledged_grant_survives_the_primary_killed_right_after_it() {
     );
     assert!(!guard.is_lost());
     guard.release().await.expect("release on the new primary");
-    let next = b
-        .lock("acked")
-        .try_acquire()
-        .await
-        .expect("try")
-        .expect("free once released");
+    let next = support::take(&b, "acked").await;
     next.release().await.expect("release");
 }
 
@@ -346,12 +321,7 @@ async fn without_acknowledgement_a_grant_the_replicas_missed_is_lost_in_a_failov
     let key = key_of(&a, "window");
     let old = d.primary();
     cut_off_replicas(&d, old);
-    let first = a
-        .lock("window")
-        .try_acquire()
-        .await
-        .expect("acquire")
-        .expect("free");
+    let first = support::take(&a, "window").await;
     assert_eq!(first.replicas_acked(), None);
     let promised = first.valid_until();
     assert!(held(&d.nodes[old], &key));
@@ -364,12 +334,7 @@ async fn without_acknowledgement_a_grant_the_replicas_missed_is_lost_in_a_failov
     );
 
     let b = manager(&url, ReplicaAck::Off, ttl).await;
-    let second = b
-        .lock("window")
-        .try_acquire()
-        .await
-        .expect("try")
-        .expect("the window: the new primary has the lock free while the first holds it");
+    let second = support::take(&b, "window").await;
     let granted = Instant::now();
     assert!(
         granted < promised,
@@ -433,12 +398,7 @@ async fn with_acknowledgement_a_grant_the_replicas_cannot_have_is_refused_and_gi
     let new = d.failover();
     assert!(!held(&d.nodes[new], &key));
     let b = manager(&url, ReplicaAck::Off, ttl).await;
-    let g = b
-        .lock("window")
-        .try_acquire()
-        .await
-        .expect("try")
-        .expect("free on the new primary");
+    let g = support::take(&b, "window").await;
     g.release().await.expect("release");
 }
 
@@ -495,12 +455,7 @@ async fn acknowledgement_without_a_replica_fails_and_impossible_policies_are_ref
         "the waiting acquire left a grant held"
     );
     let plain = manager(&url, ReplicaAck::Off, secs(10)).await;
-    let g = plain
-        .lock("lonely")
-        .try_acquire()
-        .await
-        .expect("try")
-        .expect("the lock is free");
+    let g = support::take(&plain, "lonely").await;
     assert_eq!(g.replicas_acked(), None);
     g.release().await.expect("release");
 
@@ -547,12 +502,7 @@ async fn an_acknowledged_lease_is_lost_while_its_only_replica_is_paused() {
     let (primary, replica) = (&d.nodes[0], &d.nodes[1]);
     let ttl = secs(2);
     let a = manager(&primary.url(), ReplicaAck::replicas(1), ttl).await;
-    let guard = a
-        .lock("kept")
-        .try_acquire()
-        .await
-        .expect("acquire")
-        .expect("free");
+    let guard = support::take(&a, "kept").await;
     assert!(
         guard.replicas_acked() >= Some(1),
         "{:?}",
@@ -610,12 +560,7 @@ async fn an_acknowledged_lease_is_lost_while_its_only_replica_is_paused() {
         "{:?}",
         again.replicas_acked()
     );
-    let meanwhile = a
-        .lock("meanwhile")
-        .try_acquire()
-        .await
-        .expect("try")
-        .expect("free");
+    let meanwhile = support::take(&a, "meanwhile").await;
     assert!(meanwhile.replicas_acked() >= Some(1));
     meanwhile.release().await.expect("release");
     again.release().await.expect("release");
@@ -635,12 +580,7 @@ async fn a_demoted_primary_answering_readonly_loses_the_lease_at_once() {
     let locks = LockManager::with_options(backend(&primary.url(), ReplicaAck::Off).await, options)
         .expect("options");
     let key = key_of(&locks, "demoted");
-    let guard = locks
-        .lock("demoted")
-        .try_acquire()
-        .await
-        .expect("acquire")
-        .expect("free");
+    let guard = support::take(&locks, "demoted").await;
     let lost = guard.lost();
     assert!(
         wait_for_async(secs(5), || held(replica, &key)).await,

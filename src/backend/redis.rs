@@ -1,9 +1,10 @@
-//! `RedisBackend`: leases on one Redis server (or a Redis Cluster), through fred. All fred
-//! and Lua code of the crate lives under this module, by concern: `connect` (URLs, options,
-//! the client), `keys` (the key layout, documented there), `ops` (acquire and release, with
-//! group commit in `batch`), `extend`, `pubsub` (wake-ups), `fenced` (fenced writes),
-//! `cache` (the stampede cache's values), `shards` (a Redis Cluster, one connection per
-//! primary), and the scripts in `scripts/`.
+//! `RedisBackend`: leases on one Redis server (a Redis Cluster, a primary behind Sentinel),
+//! through fred. All fred and Lua code of the crate lives under this module, by concern:
+//! `connect` (URLs, options, the client), `errors` (the server's errors, read), `acks`
+//! (replica acknowledgement), `keys` (the key layout, documented there), `ops` (acquire and
+//! release, with group commit in `batch`), `extend`, `pubsub` (wake-ups), `fenced` (fenced
+//! writes), `cache` (the stampede cache's values), `shards` (a Redis Cluster, one connection
+//! per primary), and the scripts in `scripts/`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -49,6 +50,7 @@ mod acks;
 mod batch;
 mod cache;
 mod connect;
+mod errors;
 mod extend;
 mod fenced;
 mod keys;
@@ -67,11 +69,13 @@ pub use tls::TlsOptions;
 use keys::{part, Part};
 use ops::{Op, TOMBSTONE};
 
-/// Leases on a Redis server (`redis://`, `rediss://` with the `tls` feature) or a Redis
-/// Cluster (`redis-cluster://`), through one multiplexed fred connection plus, once someone
-/// waits, one pub/sub connection; on a cluster, those per primary, each lock's calls going to
-/// the primary that serves its slot (so a primary that is down fails only the locks it
-/// serves). Serves every kind of lock: plain, fair and reentrant.
+/// Leases on a Redis server (`redis://`, `rediss://` with the `tls` feature), a Redis
+/// Cluster (`redis-cluster://`) or the primary that Sentinel names (`redis-sentinel://`),
+/// through one multiplexed fred connection plus, once someone waits, one pub/sub connection;
+/// on a cluster, those per primary, each lock's calls going to the primary that serves its
+/// slot (so a primary that is down fails only the locks it serves). Serves every kind of
+/// lock: plain, fair and reentrant. Grants can wait for replicas: see
+/// [`RedisOptions::replica_ack`].
 ///
 /// Reconnects are automatic (unlimited, exponential back-off up to 1 s); every command has a
 /// timeout, so no call hangs on a dead or paused server. fred runs in a tokio context: the
@@ -267,14 +271,14 @@ impl RedisBackend {
         let reply = in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args)).await;
         reply.map_err(|e| {
             self.said(e.details());
-            connect::store_error(e)
+            errors::store_error(e)
         })
     }
 
     /// Takes note of a server's error (a call's, or one entry's): a `READONLY` has the
     /// connection remade (see `connect::Demoted`).
     fn said(&self, error: &str) {
-        if connect::readonly(error) {
+        if errors::readonly(error) {
             self.inner.demoted.reconnect(&self.inner.client);
         }
     }

@@ -119,3 +119,13 @@ impl Future for StdSleep {
         }
     }
 }
+
+/// The lock `name` of `locks`, taken at once: the test knows it is free (panics otherwise).
+pub async fn take(locks: &redlease::LockManager, name: &str) -> redlease::LockGuard {
+    locks
+        .lock(name)
+        .try_acquire()
+        .await
+        .unwrap_or_else(|e| panic!("{name}: the acquire failed: {e}"))
+        .unwrap_or_else(|| panic!("{name}: the lock was held"))
+}

@@ -179,7 +179,7 @@ impl ValueStore for RedisValues {
         } else {
             in_tokio(client.publish::<i64, _, _>(channel, "1")).await
         };
-        published.map(drop).map_err(super::connect::store_error)
+        published.map(drop).map_err(super::errors::store_error)
     }
 
     async fn subscribe(&self, key: &LeaseKey) -> Result<Subscription> {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use fred::types::{Key, Value};
 
-use super::connect::{passing, readonly};
+use super::errors::{passing, readonly};
 use super::keys::{check_ttl, ms};
 use super::RedisBackend;
 use crate::backend::{clock_drift, Extended, Lease, NodeTerms};

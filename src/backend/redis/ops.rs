@@ -435,7 +435,7 @@ fn pairs(reply: Vec<Value>, ops: &[Op]) -> Result<Vec<Outcome>> {
 fn failed(op: &Op, text: &Value) -> Error {
     let said = text.as_string().unwrap_or_else(|| format!("{text:?}"));
     let what = format!("{}: {said}", op.key());
-    if super::connect::passing(&said) {
+    if super::errors::passing(&said) {
         Error::backend(crate::backend::Unavailable(what))
     } else {
         Error::backend(Refused(what))

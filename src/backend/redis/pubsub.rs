@@ -194,7 +194,7 @@ impl PubSub {
             Ok::<_, fred::error::Error>(())
         });
         match started.await {
-            Some(result) => result.map_err(super::connect::store_error),
+            Some(result) => result.map_err(super::errors::store_error),
             None => Err(Error::backend("the background runtime is gone")),
         }
     }
@@ -258,7 +258,7 @@ impl PubSub {
         if first {
             self.subscribe_to(guard.channel.clone())
                 .await
-                .map_err(super::connect::store_error)?;
+                .map_err(super::errors::store_error)?;
         }
         drop(started);
         Ok(Subscription::new(event).with_guard(guard))
