@@ -79,7 +79,8 @@ impl RedisBackend {
             match reply {
                 Ok(reply) => {
                     for (i, v) in idx.into_iter().zip(reply) {
-                        demoted |= v.as_str().is_some_and(|s| readonly(&s));
+                        // (Only an error's text is a string: no conversion per lease.)
+                        demoted |= matches!(&v, Value::String(s) if readonly(s));
                         out[i] = Some(extended(&leases[i], v));
                     }
                 }
