@@ -562,18 +562,26 @@ pub fn clock_drift(ttl: Duration) -> Duration {
     ttl / 100 + Duration::from_millis(2)
 }
 
+/// A failure's kind, kept as the source of an [`Error::Backend`] (it reads as its text):
+/// the callers look for it by downcasting.
+macro_rules! failure_kind {
+    ($name:ident) => {
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl std::error::Error for $name {}
+    };
+}
+
 /// A call that failed before anything reached the store (a quorum member's connection was
 /// down and the caller asked to fail fast): it cannot have taken effect.
 #[derive(Debug)]
 pub(crate) struct NotSent(pub(crate) String);
 
-impl fmt::Display for NotSent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for NotSent {}
+failure_kind!(NotSent);
 
 /// Whether `e` is a [`NotSent`] failure.
 pub(crate) fn not_sent(e: &Error) -> bool {
@@ -586,13 +594,7 @@ pub(crate) fn not_sent(e: &Error) -> bool {
 #[derive(Debug)]
 pub(crate) struct Refused(pub(crate) String);
 
-impl fmt::Display for Refused {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Refused {}
+failure_kind!(Refused);
 
 /// Whether `e` says the store will not serve the call however often it is tried: a
 /// [`Refused`] command, bad input, or a store that cannot serve it (a server that may evict
@@ -606,19 +608,13 @@ pub(crate) fn refused(e: &Error) -> bool {
 }
 
 /// A call the store could not serve now but may serve soon: its connection is down or
-/// timed out, or it is failing over (`LOADING`, `READONLY`, `MASTERDOWN`, `CLUSTERDOWN`,
-/// `TRYAGAIN`, `BUSY`). A waiting acquire waits on through it (its outcome unknown: the
+/// timed out, or it is failing over or short of replicas (`LOADING`, `READONLY`,
+/// `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`, `BUSY`, `NOREPLICAS`). A waiting acquire waits on through it (its outcome unknown: the
 /// next attempt, with the same token, finds a grant it made).
 #[derive(Debug)]
 pub(crate) struct Unavailable(pub(crate) String);
 
-impl fmt::Display for Unavailable {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Unavailable {}
+failure_kind!(Unavailable);
 
 /// Whether `e` says the store may serve the call if it is tried again soon: an
 /// [`Unavailable`] store, or a call [`NotSent`].
@@ -630,7 +626,6 @@ pub(crate) fn unavailable(e: &Error) -> bool {
 /// The same error for another caller of one failed call (a batch's entries): the text, and
 /// whether it was [`Refused`], [`Unavailable`] or [`NotSent`].
 pub(crate) fn for_each_caller(e: &Error) -> Error {
-    let text = e.to_string();
     match e {
         Error::Backend { source } => {
             if source.downcast_ref::<Refused>().is_some() {
@@ -643,7 +638,9 @@ pub(crate) fn for_each_caller(e: &Error) -> Error {
                 Error::backend(source.to_string())
             }
         }
-        other => other.copied().unwrap_or_else(|| Error::backend(text)),
+        other => other
+            .copied()
+            .unwrap_or_else(|| Error::backend(other.to_string())),
     }
 }
 
