@@ -218,6 +218,7 @@ impl<'a> Attempts<'a> {
     fn new(target: &'a Target<'a>) -> Self {
         let token = match target.kind {
             ClaimKind::Reentrant(_) => Token::hold(),
+            ClaimKind::Read | ClaimKind::Permit(_) => Token::shared(),
             _ => Token::random(),
         };
         let claim = Claim::new(
@@ -395,6 +396,8 @@ fn kind_name(kind: &ClaimKind) -> &'static str {
         ClaimKind::Plain => "plain",
         ClaimKind::Fair => "fair",
         ClaimKind::Reentrant(_) => "reentrant",
+        ClaimKind::Read => "read",
+        ClaimKind::Permit(_) => "permit",
     }
 }
 

@@ -45,6 +45,17 @@ pub enum ClaimKind {
     /// counts them per hold token, and the lease goes when the count reaches zero (see
     /// [`Capabilities::reentrant`]). The claim's token must come from [`Token::hold`].
     Reentrant(Owner),
+    /// One read of a read-write lock: any number of reads hold the lock together, each its
+    /// own lease (a reader that dies loses only its own); a plain claim on the name is the
+    /// write. Writer preference: while a plain claim waits for the lock, new reads wait
+    /// behind it. See [`Capabilities::shared`]; the token must come from [`Token::shared`].
+    Read,
+    /// One of a semaphore's permits: granted while fewer than this many permits of the name
+    /// are held, each its own lease. The count is the claim's: a claim made with a lower one
+    /// than the holders' waits until enough of them are gone (nobody's permit is taken away),
+    /// and one made with a higher one may be granted at once. See [`Capabilities::shared`];
+    /// the token must come from [`Token::shared`].
+    Permit(u32),
 }
 
 impl ClaimKind {
@@ -52,6 +63,18 @@ impl ClaimKind {
     /// fair waiter stands in the queue), which giving up must give back.
     pub fn queues(&self) -> bool {
         matches!(self, ClaimKind::Fair)
+    }
+
+    /// Whether holds of this kind share the lock, each its own lease ([`Read`](Self::Read),
+    /// [`Permit`](Self::Permit)).
+    ///
+    /// ```
+    /// use redlease::backend::ClaimKind;
+    /// assert!(ClaimKind::Permit(8).shared() && ClaimKind::Read.shared());
+    /// assert!(!ClaimKind::Plain.shared());
+    /// ```
+    pub fn shared(&self) -> bool {
+        matches!(self, ClaimKind::Read | ClaimKind::Permit(_))
     }
 }
 
@@ -317,7 +340,7 @@ impl NodeTerms {
 /// ```
 /// use redlease::backend::{Backend, Capabilities};
 /// let caps = redlease::MemoryBackend::new().capabilities();
-/// assert!(caps.fair && caps.reentrant && caps.node);
+/// assert!(caps.fair && caps.reentrant && caps.shared && caps.node);
 /// assert!(!Capabilities::PLAIN.fair);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,6 +352,11 @@ pub struct Capabilities {
     /// Reentrant claims ([`ClaimKind::Reentrant`]): holds counted per owner; an
     /// [`extend`](Backend::extend) with a reign's lease token keeps the whole reign alive.
     pub reentrant: bool,
+    /// Shared claims ([`ClaimKind::Read`], [`ClaimKind::Permit`]): many holds of one name at
+    /// once, each a lease of its own, extended and released by its own token; their expiry
+    /// by the store's clock. A quorum of stores cannot serve them: entering a semaphore on a
+    /// majority of nodes does not keep its count (two majorities overlap in one node only).
+    pub shared: bool,
     /// The store honours every [`NodeTerms`], so it can be a [`Redlock`] node.
     pub node: bool,
 }
@@ -338,6 +366,7 @@ impl Capabilities {
     pub const PLAIN: Capabilities = Capabilities {
         fair: false,
         reentrant: false,
+        shared: false,
         node: false,
     };
 
@@ -345,6 +374,7 @@ impl Capabilities {
     pub const ALL: Capabilities = Capabilities {
         fair: true,
         reentrant: true,
+        shared: true,
         node: true,
     };
 
@@ -354,6 +384,8 @@ impl Capabilities {
             ClaimKind::Plain => None,
             ClaimKind::Fair => (!self.fair).then_some("fair (FIFO) locks"),
             ClaimKind::Reentrant(_) => (!self.reentrant).then_some("reentrant locks"),
+            ClaimKind::Read => (!self.shared).then_some("read-write locks"),
+            ClaimKind::Permit(_) => (!self.shared).then_some("semaphores"),
         };
         match missing {
             None => Ok(()),

@@ -538,6 +538,19 @@ pub struct Lost {
     inner: BoxFuture<'static, ()>,
 }
 
+impl Lost {
+    /// Resolves when any of `all` does (at once for none).
+    pub(crate) fn any(all: Vec<Lost>) -> Lost {
+        Lost {
+            inner: Box::pin(async move {
+                if !all.is_empty() {
+                    future::select_all(all).await;
+                }
+            }),
+        }
+    }
+}
+
 impl fmt::Debug for Lost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lost").finish_non_exhaustive()

@@ -47,8 +47,14 @@ pub struct LockInfo {
     /// counts); `None` when the lock is not held reentrantly.
     pub reentrant_count: Option<u64>,
     /// The holder's [label](crate::LockOptions::holder_label), if it set one (`None` when
-    /// not held).
+    /// not held, and while shared holds run: see `shared_labels`).
     pub holder_label: Option<String>,
+    /// For a lock held in a shared mode (the reads of a [`RwLock`](crate::RwLock), the
+    /// permits of a [`Semaphore`](crate::Semaphore)), how many holds are live; `None`
+    /// otherwise.
+    pub shared_holds: Option<u64>,
+    /// The labels of the live shared holds that have one (in no particular order).
+    pub shared_labels: Vec<String>,
 }
 
 impl LockInfo {
@@ -71,6 +77,7 @@ impl LockInfo {
             && self.fencing_token.is_none()
             && self.queue_len == 0
             && self.reentrant_count.is_none()
+            && self.shared_holds.is_none()
     }
 }
 
@@ -81,7 +88,7 @@ impl fmt::Display for LockInfo {
         if let Some(label) = &self.holder_label {
             // Escaped: a label is anyone's text, and must not fake lines of this output.
             writeln!(f, "holder: {}", label.escape_debug())?;
-        } else if self.held {
+        } else if self.held && self.shared_holds.is_none() {
             writeln!(f, "holder: (no label)")?;
         }
         if let Some(r) = self.remaining {
@@ -94,6 +101,12 @@ impl fmt::Display for LockInfo {
         writeln!(f, "queued: {}", self.queue_len)?;
         if let Some(n) = self.reentrant_count {
             writeln!(f, "reentrant count: {n}")?;
+        }
+        if let Some(n) = self.shared_holds {
+            writeln!(f, "shared holds: {n}")?;
+            for label in &self.shared_labels {
+                writeln!(f, "shared holder: {}", label.escape_debug())?;
+            }
         }
         Ok(())
     }

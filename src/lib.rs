@@ -154,7 +154,7 @@ pub use error::{BoxError, Error, Result};
 pub use event_listener;
 pub use guard::LockGuard;
 pub use info::LockInfo;
-pub use lock::{Lock, LockManager};
+pub use lock::{Lock, LockManager, MultiGuard, MultiLock, RwLock, Semaphore};
 pub use options::{
     host_pid_label, LockOptions, RetryPolicy, MAX_LABEL_LEN, MAX_RETRY_DELAY, MAX_TTL,
     MIN_INTERVAL, MIN_TTL,

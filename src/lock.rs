@@ -1,5 +1,6 @@
 //! `LockManager` and `Lock`: naming locks, choosing their kind, and handing them to the one
-//! acquire engine.
+//! acquire engine. The shared kinds' facades (`Semaphore`, `RwLock`) are in `lock/shared.rs`,
+//! locking several names at once (`MultiLock`) in `lock/multi.rs`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -13,6 +14,12 @@ use crate::info::LockInfo;
 use crate::options::LockOptions;
 use crate::token::{LeaseKey, Owner};
 use crate::watchdog::WatchdogStats;
+
+mod multi;
+mod shared;
+
+pub use multi::{MultiGuard, MultiLock};
+pub use shared::{RwLock, Semaphore};
 
 struct Shared {
     engine: Engine,

@@ -77,6 +77,29 @@ impl Token {
         }
     }
 
+    /// A fresh token for one shared hold (a read of a read-write lock, a semaphore's permit:
+    /// see [`ClaimKind::Read`](crate::backend::ClaimKind::Read)): 128 bits from the CSPRNG,
+    /// as `s` and 32 hex digits, so that a store can tell a shared hold's lease by its token
+    /// when it extends it.
+    ///
+    /// ```
+    /// let permit = redlease::Token::shared();
+    /// assert!(permit.is_shared() && !permit.is_hold());
+    /// assert!(!redlease::Token::random().is_shared());
+    /// ```
+    pub fn shared() -> Self {
+        let bits: u128 = rand::random();
+        Token {
+            secret: format!("s{bits:032x}").into(),
+            label: None,
+        }
+    }
+
+    /// Whether this token was made by [`shared`](Self::shared).
+    pub fn is_shared(&self) -> bool {
+        self.secret.starts_with('s')
+    }
+
     /// A token as read back from the store (a reign's lease token).
     pub(crate) fn from_store(s: &str) -> Self {
         Token {

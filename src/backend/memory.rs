@@ -61,7 +61,40 @@ struct State {
     ended: HashMap<LeaseKey, (Token, Instant)>,
     /// Reentrant locks: abandoned holds, never counted until the instant given.
     barred: HashMap<Token, Instant>,
+    /// Shared holds (reads, permits) of each key held in a shared mode; the lease is then
+    /// held by the mode's marker until the latest of them runs out, as on Redis.
+    shared: HashMap<LeaseKey, Shared>,
+    /// Until when a plain claim waits for each key: new reads wait behind it (writer
+    /// preference), as the Redis record's `w`.
+    writers: HashMap<LeaseKey, Instant>,
+    /// Until when shared claims wait for each key: a release that frees it wakes every
+    /// waiter, as the Redis record's `s`.
+    sharers_waiting: HashMap<LeaseKey, Instant>,
     ops: u64,
+}
+
+/// The shared holds of one key: each hold's expiry and fencing token, by its token (which
+/// carries its label).
+#[derive(Debug)]
+struct Shared {
+    /// The mode's marker, the lease's token while holds run ([`READS`] or [`PERMITS`]).
+    mode: &'static str,
+    holds: HashMap<Token, (Instant, u64)>,
+}
+
+/// The markers a key held in a shared mode is leased under (no token equals them).
+const READS: &str = "*r";
+const PERMITS: &str = "*p";
+
+impl Shared {
+    fn live(&mut self, now: Instant) -> usize {
+        self.holds.retain(|_, (exp, _)| *exp > now);
+        self.holds.len()
+    }
+
+    fn latest(&self) -> Option<Instant> {
+        self.holds.values().map(|(exp, _)| *exp).max()
+    }
 }
 
 /// The reign of one owner over a reentrant lock.
@@ -115,6 +148,8 @@ impl State {
                 !q.order.is_empty()
             });
             self.barred.retain(|_, until| *until > now);
+            self.writers.retain(|_, until| *until > now);
+            self.sharers_waiting.retain(|_, until| *until > now);
             // A replayed release comes within seconds; the Redis backend keeps its answer an
             // hour (the record's `t` and `r`). Kept as long here, then dropped.
             self.ended
@@ -124,6 +159,11 @@ impl State {
                 leases
                     .get(k)
                     .is_some_and(|(t, exp)| *t == r.token && *exp > now)
+            });
+            self.shared.retain(|k, sh| {
+                leases
+                    .get(k)
+                    .is_some_and(|(t, exp)| t.as_str() == sh.mode && *exp > now)
             });
         }
     }
@@ -139,10 +179,26 @@ impl State {
     }
 
     fn wake(&self, key: &LeaseKey) {
-        // One release, one waiter (the longest waiting); see the Redis backend.
+        // One release, one waiter (the longest waiting); see the Redis backend. Every waiter
+        // while shared claims wait: the readers a write held back may all go in.
         if let Some(event) = self.events.get(key).and_then(Weak::upgrade) {
-            event.notify(1.additional());
+            let now = Instant::now();
+            if self
+                .sharers_waiting
+                .get(key)
+                .is_some_and(|until| *until > now)
+            {
+                event.notify(usize::MAX);
+            } else {
+                event.notify(1.additional());
+            }
         }
+    }
+
+    /// The shared holds of `key` while the lease is held in a shared mode.
+    fn shared_holds(&mut self, key: &LeaseKey, now: Instant) -> Option<&mut Shared> {
+        let mode = self.holder(key, now).map(|(t, _)| t.as_str().to_owned())?;
+        self.shared.get_mut(key).filter(|sh| sh.mode == mode)
     }
 
     /// Hands a free key to its fair queue: wakes the head (after evicting dead waiters), and
@@ -251,6 +307,13 @@ impl Backend for MemoryBackend {
             ClaimKind::Reentrant(owner) => {
                 reentrant_acquire(&mut st, claim, owner, attempt, terms, now)
             }
+            ClaimKind::Read => shared_acquire(&mut st, claim, None, attempt, now),
+            ClaimKind::Permit(0) => {
+                return Err(crate::error::Error::invalid(
+                    "a semaphore needs at least one permit",
+                ))
+            }
+            ClaimKind::Permit(n) => shared_acquire(&mut st, claim, Some(*n), attempt, now),
         })
     }
 
@@ -260,6 +323,7 @@ impl Backend for MemoryBackend {
         Ok(leases
             .iter()
             .map(|l| match st.leases.get_mut(l.key) {
+                _ if l.token.is_shared() => shared_extend(&mut st, l, now),
                 Some((t, exp)) if t == l.token && *exp > now => {
                     // Callers bound ttl by MAX_TTL; saturate anyway rather than panic.
                     *exp = now.checked_add(l.ttl).unwrap_or(*exp);
@@ -298,6 +362,9 @@ impl Backend for MemoryBackend {
                 now,
             ));
         }
+        if claim.kind.shared() {
+            return Ok(shared_release(&mut st, key, &claim.token, now));
+        }
         let released = if st.holder(key, now).is_some_and(|(t, _)| *t == claim.token) {
             st.leases.remove(key);
             st.wake(key);
@@ -328,6 +395,15 @@ impl Backend for MemoryBackend {
         }
         info.fencing_token = st.fences.get(key).copied();
         info.reentrant_count = st.reign(key, now).map(|r| r.holds.len() as u64);
+        if let Some(sh) = st.shared_holds(key, now) {
+            info.shared_holds = Some(sh.live(now) as u64);
+            info.shared_labels = sh
+                .holds
+                .keys()
+                .filter_map(|t| t.label().map(str::to_owned))
+                .collect();
+            info.holder_label = None;
+        }
         if let Some(q) = st.queues.get_mut(key) {
             q.evict(now);
             info.queue_len = q.order.len() as u64;
@@ -371,11 +447,19 @@ fn plain_acquire(
         return Acquire::Held { remaining };
     }
     match st.holder(key, now) {
-        Some((holder, expires)) if holder != token => Acquire::Held {
-            remaining: Some(*expires - now),
-        },
+        Some((holder, expires)) if holder != token => {
+            let remaining = Some(*expires - now);
+            if let Some(keep) = attempt.keep_waiter() {
+                // New reads wait behind a waiting writer.
+                let until = now.checked_add(keep).unwrap_or(now);
+                st.writers.insert(key.clone(), until);
+            }
+            Acquire::Held { remaining }
+        }
         Some(_) => self_replay(st, claim, now),
         None => {
+            // The writer that new reads waited behind has the lock.
+            st.writers.remove(key);
             let fence = st.grant(key, token, claim.ttl, terms.fence_floor, now);
             Acquire::Granted(Grant::new(fence, claim.ttl, token.clone()))
         }
@@ -527,4 +611,142 @@ fn self_replay(st: &mut State, claim: &Claim, now: Instant) -> Acquire {
     }
     let fence = st.fences.get(&claim.key).copied().unwrap_or(0);
     Acquire::Granted(Grant::new(fence, claim.ttl, claim.token.clone()))
+}
+
+/// A read (`permits` `None`) or one of `permits` permits, as on Redis (`shared_acquire.lua`):
+/// granted unless another kind holds the key, a writer waits (reads), or the permits are all
+/// taken; each hold its own lease and fencing token.
+fn shared_acquire(
+    st: &mut State,
+    claim: &Claim,
+    permits: Option<u32>,
+    attempt: Attempt,
+    now: Instant,
+) -> Acquire {
+    let (key, token) = (&claim.key, &claim.token);
+    let mode = if permits.is_some() { PERMITS } else { READS };
+    let until = now.checked_add(claim.ttl).unwrap_or(now);
+    let held = st
+        .holder(key, now)
+        .map(|(t, exp)| (t.as_str() == mode, *exp));
+    let left = held.map(|(_, exp)| exp - now);
+    let wait_here = |st: &mut State| {
+        if let Some(keep) = attempt.keep_waiter() {
+            let until = now.checked_add(keep).unwrap_or(now);
+            st.sharers_waiting.insert(key.clone(), until);
+        }
+        Acquire::Held { remaining: left }
+    };
+    if let Some((true, _)) = held {
+        if let Some(sh) = st.shared.get_mut(key) {
+            if let Some((exp, fence)) = sh.holds.get_mut(token).filter(|(exp, _)| *exp > now) {
+                // Ours already: a repeated attempt.
+                *exp = until;
+                let fence = *fence;
+                extend_shared_lease(st, key, until);
+                return Acquire::Granted(Grant::new(fence, claim.ttl, token.clone()));
+            }
+        }
+    }
+    match held {
+        Some((false, _)) => return wait_here(st),
+        _ if permits.is_none() && st.writers.get(key).is_some_and(|w| *w > now) => {
+            return wait_here(st)
+        }
+        _ if permits.is_some()
+            && matches!(attempt, Attempt::Arriving { .. })
+            && st.waiters(key) =>
+        {
+            return Acquire::Held { remaining: left };
+        }
+        _ => {}
+    }
+    if let (Some(n), Some(_)) = (permits, held) {
+        let sh = st.shared.get_mut(key).filter(|sh| sh.mode == mode);
+        if let Some(sh) = sh {
+            if sh.live(now) >= n as usize {
+                let first = sh.holds.values().map(|(exp, _)| *exp).min();
+                wait_here(st);
+                return Acquire::Held {
+                    remaining: first.map(|f| f.saturating_duration_since(now)),
+                };
+            }
+        }
+    }
+    let fence = match held {
+        Some(_) => {
+            let fence = st.fences.entry(key.clone()).or_insert(0);
+            *fence += 1;
+            let fence = *fence;
+            extend_shared_lease(st, key, until);
+            fence
+        }
+        None => {
+            st.shared.remove(key);
+            st.grant(key, &Token::from_store(mode), claim.ttl, 0, now)
+        }
+    };
+    st.shared
+        .entry(key.clone())
+        .or_insert_with(|| Shared {
+            mode,
+            holds: HashMap::new(),
+        })
+        .holds
+        .insert(token.clone(), (until, fence));
+    Acquire::Granted(Grant::new(fence, claim.ttl, token.clone()))
+}
+
+/// Keeps `key`'s shared lease (the mode's marker) until `until` at least.
+fn extend_shared_lease(st: &mut State, key: &LeaseKey, until: Instant) {
+    if let Some((_, exp)) = st.leases.get_mut(key) {
+        *exp = (*exp).max(until);
+    }
+}
+
+/// One shared hold's extension: only while it is live and the key is held in its mode.
+fn shared_extend(st: &mut State, lease: &Lease<'_>, now: Instant) -> Extended {
+    let until = now.checked_add(lease.ttl).unwrap_or(now);
+    let Some(sh) = st.shared_holds(lease.key, now) else {
+        return Extended::Gone;
+    };
+    match sh.holds.get_mut(lease.token) {
+        Some((exp, _)) if *exp > now => {
+            *exp = until;
+            extend_shared_lease(st, lease.key, until);
+            Extended::Held(lease.ttl)
+        }
+        _ => Extended::Gone,
+    }
+}
+
+/// Gives one shared hold back: the last one ends the lease and wakes the waiters; one that
+/// leaves permits held wakes one waiter. `Some(0)` when it was held.
+fn shared_release(st: &mut State, key: &LeaseKey, token: &Token, now: Instant) -> Option<u32> {
+    let sh = st.shared_holds(key, now)?;
+    let (exp, _) = sh.holds.remove(token)?;
+    if exp <= now {
+        return None;
+    }
+    let permits = sh.mode == PERMITS;
+    sh.live(now);
+    match sh.latest() {
+        None => {
+            st.shared.remove(key);
+            st.leases.remove(key);
+            st.wake(key);
+            st.wake_head(key, now);
+        }
+        Some(latest) => {
+            if let Some((_, e)) = st.leases.get_mut(key) {
+                *e = latest;
+            }
+            if permits {
+                if let Some(event) = st.events.get(key).and_then(Weak::upgrade) {
+                    event.notify(1.additional());
+                }
+            }
+        }
+    }
+    Some(0)
 }

@@ -74,7 +74,7 @@ use ops::{Op, TOMBSTONE};
 /// through one multiplexed fred connection plus, once someone waits, one pub/sub connection;
 /// on a cluster, those per primary, each lock's calls going to the primary that serves its
 /// slot (so a primary that is down fails only the locks it serves). Serves every kind of
-/// lock: plain, fair and reentrant. Grants can wait for replicas: see
+/// lock: plain, fair, reentrant, read-write and semaphores. Grants can wait for replicas: see
 /// [`RedisOptions::replica_ack`].
 ///
 /// Reconnects are automatic (unlimited, exponential back-off up to 1 s); every command has a
@@ -120,6 +120,9 @@ struct Scripts {
     reentrant_acquire: Script,
     reentrant_release: Script,
     reentrant_extend: Script,
+    shared_acquire: Script,
+    shared_release: Script,
+    shared_extend: Script,
     fenced_set: Script,
     cache_read: Script,
     cache_fill: Script,
@@ -159,6 +162,9 @@ impl Scripts {
             reentrant_acquire: leases!("reentrant_acquire.lua"),
             reentrant_release: leases!("reentrant_release.lua"),
             reentrant_extend: leases!("reentrant_extend.lua"),
+            shared_acquire: leases!("shared_acquire.lua"),
+            shared_release: leases!("shared_release.lua"),
+            shared_extend: leases!("shared_extend.lua"),
             fenced_set: lua(include_str!("redis/scripts/fenced_set.lua")),
             cache_read: leases!("cache_read.lua"),
             cache_fill: leases!("cache_fill.lua"),
@@ -179,6 +185,9 @@ impl Scripts {
             self.reentrant_acquire.clone(),
             self.reentrant_release.clone(),
             self.reentrant_extend.clone(),
+            self.shared_acquire.clone(),
+            self.shared_release.clone(),
+            self.shared_extend.clone(),
         ])
     }
 }
@@ -323,6 +332,12 @@ impl Backend for RedisBackend {
             ClaimKind::Reentrant(owner) => {
                 Box::pin(self.reentrant_acquire(claim, owner, attempt, terms)).await?
             }
+            // A quorum's terms do not apply: shared claims are not served over Redlock.
+            ClaimKind::Read => Box::pin(self.shared_acquire(claim, 0, attempt)).await?,
+            ClaimKind::Permit(0) => {
+                return Err(Error::invalid("a semaphore needs at least one permit"))
+            }
+            ClaimKind::Permit(n) => Box::pin(self.shared_acquire(claim, *n, attempt)).await?,
         };
         match acquired {
             // Reported once the replicas have it (with acknowledgement on; boxed, as above).
@@ -352,9 +367,15 @@ impl Backend for RedisBackend {
             Release::Confirmed { lease } => Some(lease),
             Release::Abandon => None,
         };
-        if let ClaimKind::Reentrant(owner) = &claim.kind {
+        match &claim.kind {
             // Boxed, as in `acquire`.
-            return Box::pin(self.reentrant_release(claim, owner, lease)).await;
+            ClaimKind::Reentrant(owner) => {
+                return Box::pin(self.reentrant_release(claim, owner, lease)).await
+            }
+            ClaimKind::Read | ClaimKind::Permit(_) => {
+                return Box::pin(self.shared_release(claim, lease.is_some())).await
+            }
+            _ => {}
         }
         let op = Op::Release {
             key: claim.key.clone(),
@@ -393,7 +414,7 @@ impl Backend for RedisBackend {
         let reply: Vec<Value> = self
             .eval(&self.inner.scripts.inspect, self.declared(keys), Vec::new())
             .await?;
-        let [pttl, fence, label, queued, owners] = <[Value; 5]>::try_from(reply)
+        let [pttl, fence, label, queued, owners, shared, labels] = <[Value; 7]>::try_from(reply)
             .map_err(|r| Error::backend(format!("inspect script returned {} values", r.len())))?;
         let int = |v: &Value| v.as_i64().unwrap_or(-1);
         let text = |v: &Value| v.as_string().filter(|s| !s.is_empty());
@@ -405,6 +426,10 @@ impl Backend for RedisBackend {
         info.holder_label = text(&label);
         info.queue_len = u64::try_from(int(&queued)).unwrap_or(0);
         info.reentrant_count = u64::try_from(int(&owners)).ok();
+        info.shared_holds = u64::try_from(int(&shared)).ok();
+        if let Value::Array(labels) = labels {
+            info.shared_labels = labels.iter().filter_map(|l| l.as_string()).collect();
+        }
         Ok((!info.is_blank()).then_some(info))
     }
 

@@ -745,11 +745,13 @@ fn fence_floor() -> u64 {
 
 #[async_trait]
 impl Backend for Redlock {
-    /// Reentrant when every node is; never fair; not a node itself.
+    /// Reentrant when every node is; never fair; never shared (a majority of semaphores does
+    /// not keep the count: see [`Capabilities::shared`]); not a node itself.
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             fair: false,
             reentrant: self.nodes.iter().all(|n| n.capabilities().reentrant),
+            shared: false,
             node: false,
         }
     }

@@ -5,6 +5,7 @@
 //! * [`RedisSentinels`]: a throw-away primary, its replicas and the Sentinels watching them.
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
+//! * [`SharedChecker`]: at most N permit holders, a writer alone, writers' tokens above all.
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
 //! * [`PlainOnly`]: a backend that serves plain claims only.
 //! * [`holder`] / [`lease_ms`] / [`field`]: a lock's record on a test server.
@@ -19,6 +20,7 @@ mod plain;
 mod record;
 mod sentinel;
 mod server;
+mod shared_checker;
 mod wait;
 
 pub use checker::{Checker, Section};
@@ -27,6 +29,7 @@ pub use plain::PlainOnly;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
+pub use shared_checker::{SharedChecker, SharedSection};
 pub use wait::wait_for_interval;
 
 use std::future::Future;

@@ -1,9 +1,11 @@
 //! Extensions: many leases per script call (`extend.lua` for plain leases,
 //! `reentrant_extend.lua` for a reign's, which keeps its owners and holds hashes alive with
-//! the lease), the calls of one round sent at once.
+//! the lease, `shared_extend.lua` for reads' and permits'), the calls of one round sent at
+//! once.
 
 use std::collections::HashMap;
 
+use fred::types::scripts::Script;
 use fred::types::{Key, Value};
 
 use super::errors::{passing, readonly};
@@ -31,43 +33,42 @@ impl RedisBackend {
         let sendable: Vec<usize> = (0..leases.len())
             .filter(|&i| check_ttl(leases[i].ttl).is_ok())
             .collect();
-        // Reentrant leases are told by their token (a reign's lease token is a hold).
-        let (holds, plain): (Vec<usize>, Vec<usize>) = sendable
-            .into_iter()
-            .partition(|&i| leases[i].token.is_hold());
-        let plain_calls = self
-            .chunks(leases, &plain)
-            .into_iter()
-            .map(|idx| async move {
-                let (keys, args) = lease_args(leases, &idx, min_uptime);
-                let reply: Result<Vec<Value>> = self
-                    .eval(&self.inner.scripts.extend, self.declared(keys), args)
-                    .await;
-                (idx, reply)
-            });
-        let reign_calls = self
-            .chunks(leases, &holds)
-            .into_iter()
-            .map(|idx| async move {
-                let (keys, args) = lease_args(leases, &idx, min_uptime);
-                let reply: Result<Vec<Value>> = self
-                    .eval(
-                        &self.inner.scripts.reentrant_extend,
-                        self.declared(keys),
-                        args,
-                    )
-                    .await;
-                (idx, reply)
-            });
-        // Both kinds at once: one round trip for the round, not one per kind.
-        let (plain_out, reign_out) = futures::join!(
-            futures::future::join_all(plain_calls),
-            futures::future::join_all(reign_calls)
-        );
+        // Reentrant and shared leases are told by their token (a reign's lease token is a
+        // hold; a read's or a permit's, a shared token).
+        let script = |lease: &Lease<'_>| {
+            let scripts = &self.inner.scripts;
+            if lease.token.is_hold() {
+                &scripts.reentrant_extend
+            } else if lease.token.is_shared() {
+                &scripts.shared_extend
+            } else {
+                &scripts.extend
+            }
+        };
+        let mut kinds: Vec<(&Script, Vec<usize>)> = Vec::new();
+        for i in sendable {
+            let s = script(&leases[i]);
+            match kinds.iter_mut().find(|(k, _)| std::ptr::eq(*k, s)) {
+                Some((_, idx)) => idx.push(i),
+                None => kinds.push((s, vec![i])),
+            }
+        }
+        let calls = kinds.iter().flat_map(|(script, which)| {
+            self.chunks(leases, which)
+                .into_iter()
+                .map(move |idx| async move {
+                    let (keys, args) = lease_args(leases, &idx, min_uptime);
+                    let reply: Result<Vec<Value>> =
+                        self.eval(script, self.declared(keys), args).await;
+                    (idx, reply)
+                })
+        });
+        // Every kind at once: one round trip for the round, not one per kind.
+        let replies = futures::future::join_all(calls).await;
         let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
         // A lease answered READONLY: the server is a replica now.
         let mut demoted = false;
-        for (idx, reply) in plain_out.into_iter().chain(reign_out) {
+        for (idx, reply) in replies {
             // A call that failed as a whole (a timeout, say) fails its own leases only.
             let reply = reply.and_then(|r| {
                 if r.len() == idx.len() {

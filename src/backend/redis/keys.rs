@@ -15,6 +15,8 @@
 //! | `p{name}:handoff` | channel | a release hands the lock to the queue's head: its token |
 //! | `p{name}:owners` | hash | reentrant: {owner: hold count} of the reign holding the lease |
 //! | `p{name}:holds` | hash | reentrant: the reign's live holds {hold token: 1}, plus `owner`, `token` (the lease token) and `fence` |
+//! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; a released hold for a minute with a negative score, for its re-sent release (see `prelude.lua`) |
+//! | `p{name}:sharers` | hash | the shared holds' {hold token: `'<fencing token> <label>'`} |
 //! | `p{name}:value` | hash | the cache: `v` payload, `d` compute time (µs), `g` grace (ms), `r` the round that wrote it |
 //! | `p{name}:filled` | channel | the cache: a value was written, or a round failed |
 //! | `p{name}:failed:<round>` | string | the cache: a failed compute round's message |
@@ -25,12 +27,14 @@
 //!
 //! | field | what |
 //! |---|---|
-//! | `t` | the token of the last grant (a reentrant reign's lease token) |
-//! | `e` | until when (server ms) `t` holds the lease; `0` once `t` released it. The lease is held while `e` is ahead of the server's clock |
+//! | `t` | the token of the last grant (a reentrant reign's lease token); while shared holds run, their mode's marker, `*r` (reads) or `*p` (permits), which no token equals |
+//! | `e` | until when (server ms) `t` holds the lease; `0` once `t` released it. The lease is held while `e` is ahead of the server's clock. While shared holds run, the latest of their expiries |
 //! | `f` | the last fencing token |
 //! | `h` | the holder's label (`''` for none), shown while held |
 //! | `r` | the token released before `t` was granted, so a re-sent release still says "ours" |
 //! | `w` | until when (server ms) plain waiters want a message on release |
+//! | `v` | until when (server ms) a plain claim (a read-write lock's writer) waits: new reads wait behind it; `0` once a plain claim is granted |
+//! | `s` | until when (server ms) shared waiters (reads, permits) want a message on release |
 //! | `q` | until when (server ms) the fair queue may hold waiters |
 //! | `a` | until when (server ms) some token is barred (look in `:abandoned`) |
 //! | `x` | until when (server ms) the record itself lives: an hour past the lease, renewed when half of it is gone |
@@ -89,7 +93,15 @@ pub(super) fn part(key: &LeaseKey, part: Part) -> String {
 /// On a cluster a call declares them too, after the locks' keys: a call on a slot being
 /// migrated is then answered `ASK` or `TRYAGAIN` before anything runs, instead of failing
 /// halfway at a key that has moved.
-pub(super) const BESIDE: [&str; 5] = ["abandoned", "queue", "timeouts", "owners", "holds"];
+pub(super) const BESIDE: [&str; 7] = [
+    "abandoned",
+    "queue",
+    "timeouts",
+    "owners",
+    "holds",
+    "shared",
+    "sharers",
+];
 
 /// The key of the cache's failed round `round`.
 pub(super) fn failed(key: &LeaseKey, round: u64) -> String {

@@ -382,6 +382,64 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
+    /// One `shared_acquire.lua` call: a read (`permits` 0) or one of `permits` permits (not
+    /// group-committed, as reentrant attempts).
+    pub(super) async fn shared_acquire(
+        &self,
+        claim: &Claim,
+        permits: u32,
+        attempt: Attempt,
+    ) -> Result<Acquire> {
+        check_shared(&claim.token)?;
+        let keys = vec![Key::from(claim.key.as_str())];
+        let flag = attempt.keep_waiter().map_or(0, ms);
+        let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
+        let args: Vec<Value> = vec![
+            claim.token.as_str().into(),
+            ms(claim.ttl).into(),
+            flag.into(),
+            arriving.into(),
+            i64::from(permits).into(),
+            claim.token.label().unwrap_or_default().into(),
+        ];
+        let reply: Vec<i64> = self
+            .eval(
+                &self.inner.scripts.shared_acquire,
+                self.declared(keys),
+                args,
+            )
+            .await?;
+        match reply.as_slice() {
+            [code @ (0 | 1), value] => acquired(claim, (*code, *value)),
+            other => Err(Error::backend(format!(
+                "unexpected reply from the shared acquire script: {other:?}"
+            ))),
+        }
+    }
+
+    /// One `shared_release.lua` call; `confirmed` as in `Release::Confirmed` (`false`:
+    /// abandon).
+    pub(super) async fn shared_release(
+        &self,
+        claim: &Claim,
+        confirmed: bool,
+    ) -> Result<Option<u32>> {
+        check_shared(&claim.token)?;
+        let keys = vec![Key::from(claim.key.as_str())];
+        let tombstone = if confirmed { 0 } else { ms(TOMBSTONE) };
+        let args: Vec<Value> = vec![claim.token.as_str().into(), tombstone.into()];
+        let released: i64 = self
+            .eval(
+                &self.inner.scripts.shared_release,
+                self.declared(keys),
+                args,
+            )
+            .await?;
+        Ok((released == 1).then_some(0))
+    }
+}
+
+impl RedisBackend {
     /// Ends the lease on the lock at `key` whoever holds it, for an operator (`redlease
     /// release --force`), and deletes a reentrant reign's counts; its waiters are woken (a
     /// fair queue's head by name). The lock's record stays with its fencing counter, so the
@@ -450,6 +508,18 @@ fn check_hold(hold: &Token) -> Result<()> {
     } else {
         Err(Error::invalid(
             "a reentrant hold must be made by Token::hold (its lease is extended with the reign)",
+        ))
+    }
+}
+
+/// Reads and permits must be [`Token::shared`]s: the extension of a lease is routed by its
+/// token.
+fn check_shared(token: &Token) -> Result<()> {
+    if token.is_shared() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "a read or a permit must be made by Token::shared (its lease is extended as one)",
         ))
     }
 }

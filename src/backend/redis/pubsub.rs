@@ -172,8 +172,12 @@ impl PubSub {
                     match target {
                         // A hand-off: only the waiter it names acts on it.
                         Some(waiter) => waiter.notify(usize::MAX),
-                        // A cache fill wakes every local listener; a release, one.
-                        None if c.broadcast => c.event.notify(usize::MAX),
+                        // A cache fill wakes every local listener; so does a release that
+                        // shared claims wait for ('*': the readers a write held back may all
+                        // go in); other releases, one.
+                        None if c.broadcast || msg.value.as_str().as_deref() == Some("*") => {
+                            c.event.notify(usize::MAX)
+                        }
                         None => c.event.notify(1.additional()),
                     };
                 }

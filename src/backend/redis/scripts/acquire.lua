@@ -33,8 +33,10 @@ local function attempt(i)
   local w = seen[6]
   if holder then
     if flag ~= '0' then
-      -- Releases publish while this flag runs (the record exists: it is held).
-      redis.call('HSET', key, 'w', int(now_ms + tonumber(flag)))
+      -- Releases publish while `w` runs (the record exists: it is held); new reads of a
+      -- read-write lock wait while `v` runs (writer preference, see shared_acquire.lua).
+      local until_ms = int(now_ms + tonumber(flag))
+      redis.call('HSET', key, 'w', until_ms, 'v', until_ms)
     end
     return 0, left
   end
@@ -44,7 +46,13 @@ local function attempt(i)
     -- them on newcomers' account.
     return 0, left
   end
-  return 1, grant(key, token, ttl, label, floor, seen[1], seen[2], seen[3], seen[4], now_ms, clock_us)
+  local fence = grant(key, token, ttl, label, floor, seen[1], seen[2], seen[3], seen[4], now_ms, clock_us)
+  if seen[7] and num(seen[7]) > now_ms then
+    -- The writer that new reads waited behind has the lock (other writers still waiting say
+    -- so again at their next attempt).
+    redis.call('HSET', key, 'v', '0')
+  end
+  return 1, fence
 end
 
 local out = {}

@@ -3,7 +3,8 @@
 -- reentrant owners hash, see keys.rs)
 -- Returns {ms left (-2: no lease), last fencing token or '', holder label or '' (only while
 -- held), live fair waiters (deadline not passed, by the server's clock), sum of the owners'
--- counts or -1 when there is no owners hash}.
+-- counts or -1 when there is no owners hash, live shared holds (reads, permits) or -1 when the
+-- lock is not held in a shared mode, {their labels, those that have one}}.
 local key = KEYS[1]
 local now_ms = server_clock()
 local seen = record(key, 't', 'e', 'f', 'h') or {}
@@ -20,4 +21,17 @@ if redis.call('EXISTS', counts) == 1 then
     owners = owners + (tonumber(v) or 0)
   end
 end
-return {left, seen[3] or '', label, queued, owners}
+local shared, labels = -1, {}
+if left ~= -2 and shared_mode(seen[1]) then
+  local tokens = redis.call('ZRANGEBYSCORE', key .. ':shared', '(' .. int(now_ms), '+inf')
+  shared = #tokens
+  if shared > 0 then
+    for _, v in ipairs(redis.call('HMGET', key .. ':sharers', unpack(tokens, 1, math.min(#tokens, 1000)))) do
+      local l = v and string.match(v, '^%d+ (.+)$')
+      if l then
+        labels[#labels + 1] = l
+      end
+    end
+  end
+end
+return {left, seen[3] or '', label, queued, owners, shared, labels}

@@ -181,21 +181,25 @@ local function uptime_ms(min_ms, now_s)
   return 1000 * math.max((s or 0) - 1, 0)
 end
 
--- Ends the lease in `key`'s record, whose flags were read as `w` and `q`: `e` becomes 0 and
--- the holder's label goes with it; `t` becomes `released` (the token whose release ended the
--- lease: a reentrant reign's last hold; nil to keep `t`), so a release re-sent after a
+-- Ends the lease in `key`'s record, whose flags were read as `w`, `q` and `s`: `e` becomes 0
+-- and the holder's label goes with it; `t` becomes `released` (the token whose release ended
+-- the lease: a reentrant reign's last hold; nil to keep `t`), so a release re-sent after a
 -- reconnect still finds it released. Then waiters are woken: plain ones by a message on
--- `<key>:released` while `w` says some wait, the fair queue's head while `q` says the queue
--- may hold waiters. Nothing after the HSET can fail the release: a flag that is no number
--- counts as unset, and the wake-ups are under pcall (a queue of another type, a channel the
--- user's ACL refuses: waiters find out by their fallback re-check).
-local function end_lease(key, w, q, now_ms, released)
+-- `<key>:released` while `w` says some wait ('*', which wakes every waiter of each process,
+-- while `s` says shared waiters wait: all the readers a write held back may go in together),
+-- the fair queue's head while `q` says the queue may hold waiters. Nothing after the HSET can
+-- fail the release: a flag that is no number counts as unset, and the wake-ups are under
+-- pcall (a queue of another type, a channel the user's ACL refuses: waiters find out by their
+-- fallback re-check).
+local function end_lease(key, w, q, now_ms, released, s)
   if released then
     redis.call('HSET', key, 't', released, 'e', '0', 'h', '')
   else
     redis.call('HSET', key, 'e', '0', 'h', '')
   end
-  if (tonumber(w) or 0) > now_ms then
+  if (tonumber(s) or 0) > now_ms then
+    redis.pcall('PUBLISH', key .. ':released', '*')
+  elseif (tonumber(w) or 0) > now_ms then
     redis.pcall('PUBLISH', key .. ':released', '1')
   end
   if (tonumber(q) or 0) > now_ms then
@@ -239,9 +243,9 @@ end
 -- finds its own lease (re-sent after a reconnect, or sent again) is answered "ours",
 -- extended to `ttl` from now, with its fencing token; a barred token (see bar) is refused.
 -- Returns that answer as (code, value), or nil, the holder's ms left (-2 when free), the
--- holder (false when free) and the record as read: {t, e, f, x, a, w}.
+-- holder (false when free) and the record as read: {t, e, f, x, a, w, v}.
 local function arrive(key, token, ttl, now_ms)
-  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w')
+  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w', 'v')
   local holder = holding(seen[1], seen[2], now_ms)
   if holder == token then
     stamp(key, 'e', now_ms + ttl, seen[4])
@@ -253,4 +257,38 @@ local function arrive(key, token, ttl, now_ms)
     return 0, left
   end
   return nil, left, holder, seen
+end
+
+-- Shared holds: the reads of a read-write lock, or a semaphore's permits. Each is a lease of
+-- its own in the sorted set `<key>:shared` (token -> expiry, server ms), with its fencing
+-- token and label in the hash `<key>:sharers` (token -> 'fence label'). While any runs, the
+-- record's `t` is the mode's marker (READ or PERMITS: no token equals either) and its `e` the
+-- latest expiry among them, so every other kind of claim sees the lock held, with no change
+-- to its script; a read and a permit on one name exclude each other the same way. A released
+-- hold stays in the set for KEPT ms with a negative score (minus the time it is kept until),
+-- so that its release, re-sent after a reconnect, is still answered "released".
+local READ, PERMITS = '*r', '*p'
+local KEPT = 60000
+
+-- Whether `t` is a shared mode's marker.
+local function shared_mode(t)
+  return t == READ or t == PERMITS
+end
+
+-- Drops `key`'s shared holds that ran out by `now_ms` (their fences and labels too), and the
+-- released ones kept longer than KEPT. Returns the set's name.
+local function drop_dead(key, now_ms)
+  local shared = key .. ':shared'
+  local dead = redis.call('ZRANGEBYSCORE', shared, 0, now_ms)
+  for i = 1, #dead, 500 do
+    redis.call('HDEL', key .. ':sharers', unpack(dead, i, math.min(i + 499, #dead)))
+  end
+  redis.call('ZREMRANGEBYSCORE', shared, '(' .. int(-now_ms), now_ms)
+  return shared
+end
+
+-- Keeps the set and hash of `key`'s shared holds until `until_ms` (the record's `e`).
+local function keep_shared(key, until_ms)
+  redis.call('PEXPIREAT', key .. ':shared', int(until_ms))
+  redis.call('PEXPIREAT', key .. ':sharers', int(until_ms))
 end

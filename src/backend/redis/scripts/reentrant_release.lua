@@ -17,7 +17,7 @@ local now_ms = server_clock()
 if tombstone > 0 then
   bar(key, hold, now_ms, tombstone)
 end
-local seen = record(key, 't', 'e', 'r', 'w', 'q')
+local seen = record(key, 't', 'e', 'r', 'w', 'q', 's')
 if not seen then
   return {0, 0}
 end
@@ -30,7 +30,7 @@ if current then
       if left > 0 then
         return {1, left}
       end
-      end_lease(key, seen[4], seen[5], now_ms, hold)
+      end_lease(key, seen[4], seen[5], now_ms, hold, seen[6])
       -- Released, whatever fails after this.
       pcall(redis.call, 'DEL', owners, holds)
       return {1, 0}

@@ -30,13 +30,13 @@ local function release(i)
       redis.call('LREM', queue, 1, token)
     end
   end
-  local seen = record(key, 't', 'e', 'r', 'w', 'q')
+  local seen = record(key, 't', 'e', 'r', 'w', 'q', 's')
   if not seen then
     return 0
   end
   local t, e = seen[1], seen[2]
   if t == token and holding(t, e, now()) then
-    end_lease(key, seen[4], seen[5], now())
+    end_lease(key, seen[4], seen[5], now(), nil, seen[6])
     return 1
   end
   if wake and not holding(t, e, now()) then

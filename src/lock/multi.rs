@@ -1,0 +1,281 @@
+//! Locking several names at once: [`MultiLock`] takes its locks in one global order, all or
+//! nothing, and hands back one [`MultiGuard`].
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use super::{Lock, LockManager};
+use crate::error::{Error, Result};
+use crate::guard::{LockGuard, Lost};
+
+impl LockManager {
+    /// The locks `names` taken together, with the manager's default options: see
+    /// [`MultiLock`]. Bad names (none at all, an empty one, one named twice) fail the
+    /// acquire with [`Error::InvalidConfig`].
+    ///
+    /// ```
+    /// use redlease::{LockManager, MemoryBackend};
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::new(MemoryBackend::new());
+    /// let both = locks.lock_all(["account:1", "account:2"]).acquire().await?;
+    /// assert!(locks.lock("account:2").try_acquire().await?.is_none());
+    /// assert_eq!(both.guards().len(), 2);
+    /// both.release().await?;
+    /// # Ok::<(), redlease::Error>(()) }).unwrap();
+    /// ```
+    pub fn lock_all<I>(&self, names: I) -> MultiLock
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        MultiLock::of(names.into_iter().map(|n| self.lock(n.as_ref())))
+    }
+}
+
+/// Several locks held as one: [`acquire`](Self::acquire) returns once it holds all of them,
+/// or fails holding none.
+///
+/// The locks are taken one by one in a fixed global order (by key, then store), whatever
+/// order they were named in, so two callers asking for overlapping sets in different orders
+/// never deadlock: each waits only for locks after the ones it holds. When one cannot be
+/// had (a timeout, an error), the ones already taken are given back before the call
+/// returns its error. Dropping the future at any point gives back everything it took, and
+/// the attempt in flight is cleaned up as for a single lock.
+///
+/// The locks may be of any kind and on any manager: reads of a [`RwLock`](crate::RwLock)'s
+/// [`reader`](crate::RwLock::reader), a [`Semaphore`](crate::Semaphore)'s
+/// [`as_lock`](crate::Semaphore::as_lock), plain locks with options of their own.
+///
+/// ```
+/// use std::time::Duration;
+/// use redlease::{LockManager, MemoryBackend, MultiLock};
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::new(MemoryBackend::new());
+/// let config = locks.rw("config")?;
+/// let job = MultiLock::of([locks.lock("job:7"), config.reader().clone()]);
+/// let held = job.acquire_timeout(Duration::from_secs(1)).await?;
+/// assert!(config.try_read().await?.is_some());     // the read is shared
+/// assert!(held.get("job:7").is_some());
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+#[derive(Clone)]
+pub struct MultiLock {
+    /// In the global order.
+    locks: Vec<Lock>,
+}
+
+impl fmt::Debug for MultiLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.locks.iter().map(Lock::key))
+            .finish()
+    }
+}
+
+impl MultiLock {
+    /// The locks `locks`, held together.
+    pub fn of(locks: impl IntoIterator<Item = Lock>) -> MultiLock {
+        let mut locks: Vec<(Lock, String)> = locks
+            .into_iter()
+            .map(|l| {
+                let store = format!("{:?}", l.shared.engine.backend);
+                (l, store)
+            })
+            .collect();
+        locks.sort_by(|(a, sa), (b, sb)| a.key.as_str().cmp(b.key.as_str()).then(sa.cmp(sb)));
+        MultiLock {
+            locks: locks.into_iter().map(|(l, _)| l).collect(),
+        }
+    }
+
+    /// The locks, in the order they are taken.
+    pub fn locks(&self) -> &[Lock] {
+        &self.locks
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.locks.is_empty() {
+            return Err(Error::invalid("a multi-lock needs at least one lock"));
+        }
+        for pair in self.locks.windows(2) {
+            let same_store = std::sync::Arc::ptr_eq(
+                &pair[0].shared.engine.backend,
+                &pair[1].shared.engine.backend,
+            );
+            if pair[0].key == pair[1].key && same_store {
+                return Err(Error::invalid(format!(
+                    "a multi-lock names the lock {:?} twice (it would wait for itself)",
+                    pair[0].name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every lock is held. The wait is limited by the smallest `wait_timeout`
+    /// of the locks' options, if any has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lock::acquire`], for the first lock that could not be had; the locks taken
+    /// before it are given back first. [`Error::InvalidConfig`] for no locks at all, or one
+    /// named twice.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future gives back the locks it holds (in the background) and cleans up
+    /// the attempt in flight, as [`Lock::acquire`] does.
+    pub async fn acquire(&self) -> Result<MultiGuard> {
+        let limit = self
+            .locks
+            .iter()
+            .filter_map(|l| l.options.wait_timeout)
+            .min();
+        self.take(limit).await
+    }
+
+    /// Waits at most `timeout` in all. As [`acquire`](Self::acquire).
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<MultiGuard> {
+        self.take(Some(timeout)).await
+    }
+
+    /// One attempt at each lock, in order: `Ok(None)` (holding none) as soon as one is held
+    /// by someone else.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lock::try_acquire`]; the locks taken before are given back first.
+    pub async fn try_acquire(&self) -> Result<Option<MultiGuard>> {
+        self.check()?;
+        let mut held = Taken::default();
+        for lock in &self.locks {
+            match lock.try_acquire().await {
+                Ok(Some(guard)) => held.0.push(guard),
+                Ok(None) => {
+                    held.give_back().await;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    held.give_back().await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Some(MultiGuard::new(std::mem::take(&mut held.0))))
+    }
+
+    async fn take(&self, limit: Option<Duration>) -> Result<MultiGuard> {
+        self.check()?;
+        let deadline = limit.and_then(|d| Instant::now().checked_add(d));
+        let mut held = Taken::default();
+        for lock in &self.locks {
+            let taken = match deadline {
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    lock.acquire_timeout(left).await
+                }
+                // No lock has a wait limit of its own.
+                None => lock.acquire().await,
+            };
+            match taken {
+                Ok(guard) => held.0.push(guard),
+                Err(e) => {
+                    held.give_back().await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(MultiGuard::new(std::mem::take(&mut held.0)))
+    }
+}
+
+/// The guards taken so far; dropped (a cancelled acquire), they are released in the
+/// background, as any guard.
+#[derive(Default)]
+struct Taken(Vec<LockGuard>);
+
+impl Taken {
+    /// Releases the guards taken, all at once, before an acquire returns its failure.
+    async fn give_back(&mut self) {
+        let guards = std::mem::take(&mut self.0);
+        futures::future::join_all(guards.into_iter().map(LockGuard::release)).await;
+    }
+}
+
+/// Several locks held as one, from [`MultiLock`]: dropping it releases all of them (in the
+/// background), [`lost`](Self::lost) resolves when any of them is lost.
+///
+/// ```
+/// use redlease::{LockManager, MemoryBackend};
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::new(MemoryBackend::new());
+/// let held = locks.lock_all(["b", "a"]).acquire().await?;
+/// let names: Vec<&str> = held.guards().iter().map(|g| g.name()).collect();
+/// assert_eq!(names, ["a", "b"]);                       // in the global order
+/// assert!(!held.is_lost());
+/// let tokens = held.fencing_tokens();                   // one per lock, same order
+/// assert_eq!(tokens.len(), 2);
+/// # Ok::<(), redlease::Error>(()) }).unwrap();
+/// ```
+#[must_use = "if unused the locks are released at once"]
+#[derive(Debug)]
+pub struct MultiGuard {
+    guards: Vec<LockGuard>,
+}
+
+impl MultiGuard {
+    fn new(guards: Vec<LockGuard>) -> Self {
+        MultiGuard { guards }
+    }
+
+    /// The guards, in the order the locks were taken.
+    pub fn guards(&self) -> &[LockGuard] {
+        &self.guards
+    }
+
+    /// The guard of the lock `name` (the first, if locks of several stores share it).
+    pub fn get(&self, name: &str) -> Option<&LockGuard> {
+        self.guards.iter().find(|g| g.name() == name)
+    }
+
+    /// Each lock's fencing token, in the order of [`guards`](Self::guards).
+    pub fn fencing_tokens(&self) -> Vec<u64> {
+        self.guards.iter().map(LockGuard::fencing_token).collect()
+    }
+
+    /// Whether any of the locks is lost.
+    pub fn is_lost(&self) -> bool {
+        self.guards.iter().any(LockGuard::is_lost)
+    }
+
+    /// Resolves when any of the locks is lost (or this guard is gone): stop touching what
+    /// they protect.
+    pub fn lost(&self) -> Lost {
+        Lost::any(self.guards.iter().map(LockGuard::lost).collect())
+    }
+
+    /// The guards, to release or keep one by one.
+    pub fn into_guards(self) -> Vec<LockGuard> {
+        self.guards
+    }
+
+    /// Releases every lock now, all at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotHeld`] if any of them was lost; otherwise the first store error (each
+    /// failed release is tried again in the background, as [`LockGuard::release`] does).
+    pub async fn release(self) -> Result<()> {
+        let results =
+            futures::future::join_all(self.guards.into_iter().map(LockGuard::release)).await;
+        let mut first = None;
+        for r in results {
+            match r {
+                Ok(_) => {}
+                Err(Error::NotHeld) => return Err(Error::NotHeld),
+                Err(e) => first = first.or(Some(e)),
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
