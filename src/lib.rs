@@ -77,7 +77,27 @@
 //!   thread, so a thread id cannot be the owner): holds of the same owner nest, the store
 //!   counts them per hold (a re-sent command never counts twice), and the lease goes when the
 //!   last hold is released ([`LockGuard::hold_count`], the count left from
-//!   [`LockGuard::release`]).
+//!   [`LockGuard::release`]);
+//! - **a semaphore's permit** ([`LockManager::semaphore`], [`Semaphore`]): at most N holders
+//!   at once, each permit a lease of its own (a crashed holder's comes back after its TTL);
+//! - **a read or the write of a read-write lock** ([`LockManager::rw`], [`RwLock`]): many
+//!   readers or one writer, each read its own lease, with writer preference (a waiting
+//!   writer makes new readers wait).
+//!
+//! Several locks of any kinds can be held as one, all or nothing, taken in one global order
+//! so that callers never deadlock: [`LockManager::lock_all`], [`MultiLock`], [`MultiGuard`].
+//!
+//! ```
+//! use redlease::{LockManager, MemoryBackend};
+//! # futures::executor::block_on(async {
+//! let locks = LockManager::new(MemoryBackend::new());
+//! let permit = locks.semaphore("encoders", 4)?.acquire().await?;
+//! let read = locks.rw("catalog")?.read().await?;
+//! let both = locks.lock_all(["account:1", "account:2"]).acquire().await?;
+//! assert!(locks.rw("catalog")?.try_write().await?.is_none()); // a reader is inside
+//! assert!(locks.lock("account:2").try_acquire().await?.is_none());
+//! # drop((permit, read, both)); Ok::<(), redlease::Error>(()) }).unwrap();
+//! ```
 //!
 //! Acquirers of different kinds on one name exclude each other. A store declares the kinds it
 //! can serve ([`backend::Capabilities`]); a lock of a kind its store cannot serve (a fair lock

@@ -6,6 +6,7 @@
 //! they see and do. On Linux, the command's process group dies with a killed `redlease`, is
 //! SIGKILLed whole after the grace period, and keeps the lock until all of it has exited; a
 //! URL with a password shows in no argv, and the command's environment has no REDIS_URL.
+//! `--permits N` lets N runs hold one name at once, each with its own fencing token.
 #![cfg(unix)]
 
 mod support;
@@ -159,6 +160,93 @@ async fn no_wait_and_wait_give_the_conflict_and_timeout_codes() {
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+}
+
+#[test]
+fn permits_let_n_runs_hold_one_name_at_once_each_with_its_own_token() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "permits");
+    // Each run writes its fencing token, then waits for `go` (bounded): two of them hold a
+    // permit at the same time, or the first never sees the second's file.
+    let go = dir.join("go");
+    let script = |n: usize| {
+        format!(
+            "echo $REDLEASE_FENCING_TOKEN > {dir}/tok{n}; i=0; \
+             while [ ! -e {go} ] && [ $i -lt 300 ]; do sleep 0.05; i=$((i+1)); done",
+            dir = dir.display(),
+            go = go.display()
+        )
+    };
+    let runs: Vec<Child> = (0..2)
+        .map(|n| {
+            redlease(
+                &srv,
+                &[
+                    "run",
+                    "-p",
+                    "2",
+                    "--ttl",
+                    "2s",
+                    "pool",
+                    "--",
+                    "sh",
+                    "-c",
+                    &script(n),
+                ],
+            )
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    let both = wait_for(SOON, || {
+        (0..2).all(|n| !read(&dir.join(format!("tok{n}"))).is_empty())
+    });
+    assert!(both, "two runs did not hold the 2 permits at once");
+    // A third finds both permits taken.
+    let out = output(redlease(
+        &srv,
+        &[
+            "run",
+            "--permits",
+            "2",
+            "--no-wait",
+            "-l",
+            "third",
+            "pool",
+            "--",
+            "true",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(EXIT_CONFLICT), "{}", stderr(&out));
+    assert!(stderr(&out).contains("2 permits"), "{}", stderr(&out));
+    let shown = stdout(&output(redlease(&srv, &["inspect", "pool"])));
+    assert!(shown.contains("shared holds: 2"), "{shown}");
+    // The plain lock of that name is held by the permits too.
+    let out = output(redlease(&srv, &["run", "-n", "pool", "--", "true"]));
+    assert_eq!(out.status.code(), Some(EXIT_CONFLICT), "{}", stderr(&out));
+    std::fs::write(&go, "").unwrap();
+    let tokens: Vec<u64> = runs
+        .into_iter()
+        .enumerate()
+        .map(|(n, run)| {
+            let out = finish(run);
+            assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+            read(&dir.join(format!("tok{n}"))).trim().parse().unwrap()
+        })
+        .collect();
+    assert_ne!(
+        tokens[0], tokens[1],
+        "each permit has its own fencing token"
+    );
+    // Zero permits: a usage error, not a hang.
+    let out = output(redlease(&srv, &["run", "-p", "0", "pool", "--", "true"]));
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", stderr(&out));
+    // Released: a run with one permit gets it at once.
+    let out = output(redlease(
+        &srv,
+        &["run", "-p", "1", "-n", "pool", "--", "true"],
+    ));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
 #[test]

@@ -46,6 +46,9 @@ Examples:
   # command runs); give the command 30 s to stop after a SIGTERM if the lease is lost:
   redlease run --wait 2m --ttl 10s --grace 30s migrate -- ./migrate.sh
 
+  # At most 3 backups at once across the fleet (one of 3 permits of \"backup\"):
+  redlease run --permits 3 backup -- /usr/local/bin/backup.sh
+
   # Who holds it, and for how long yet?
   redlease inspect nightly-report
 
@@ -109,7 +112,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Hold the lock NAME while COMMAND runs (waits for it unless --no-wait or --wait).
+    /// Hold the lock NAME (or one of its --permits) while COMMAND runs (waits for it unless
+    /// --no-wait or --wait).
     Run(RunArgs),
     /// Print who holds the lock NAME, for how long yet, its fencing token and queue.
     Inspect {
@@ -155,6 +159,12 @@ struct RunArgs {
     /// Fail at once (exit 1, or -E) if the lock is held.
     #[arg(short, long)]
     no_wait: bool,
+
+    /// Hold one of N permits of NAME instead of the lock itself: at most N commands run
+    /// under NAME at once (a semaphore, like `consul lock -n`). Each gets its permit's own
+    /// fencing token.
+    #[arg(short, long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    permits: Option<u32>,
 
     /// Exit code when the lock is held and --no-wait was given.
     #[arg(short = 'E', long, default_value_t = EXIT_CONFLICT)]
@@ -380,7 +390,14 @@ async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
     let mut signals = signals::Signals::new()
         .map_err(|e| Fail(EXIT_UNAVAILABLE, format!("cannot listen for signals: {e}")))?;
     let locks = manager(cli, connect(cli).await?, opts)?;
-    let lock = locks.lock(&args.name);
+    let lock = match args.permits {
+        Some(n) => locks
+            .semaphore(&args.name, n)
+            .map_err(|e| Fail(EXIT_USAGE, e.to_string()))?
+            .as_lock()
+            .clone(),
+        None => locks.lock(&args.name),
+    };
 
     let acquiring = async {
         if args.no_wait {
@@ -399,14 +416,19 @@ async fn run(cli: &Cli, args: &RunArgs) -> Result<u8, Fail> {
     let guard = match acquired {
         Ok(Some(guard)) => guard,
         Ok(None) => {
-            let holder = lock
-                .inspect()
-                .await
-                .ok()
-                .flatten()
-                .and_then(|i| i.holder_label)
-                .map(|l| format!(" by {l}"))
-                .unwrap_or_default();
+            let info = lock.inspect().await.ok().flatten();
+            let holder = match (&info, args.permits) {
+                (Some(i), Some(n)) if !i.shared_labels.is_empty() => {
+                    format!(" ({n} permits, held by {})", i.shared_labels.join(", "))
+                }
+                (_, Some(n)) => format!(" ({n} permits)"),
+                (Some(i), None) => i
+                    .holder_label
+                    .as_ref()
+                    .map(|l| format!(" by {l}"))
+                    .unwrap_or_default(),
+                (None, None) => String::new(),
+            };
             eprintln!("redlease: {} is held{holder}", args.name);
             return Ok(args.conflict_exit_code);
         }
