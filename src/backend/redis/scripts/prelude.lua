@@ -181,6 +181,31 @@ local function uptime_ms(min_ms, now_s)
   return 1000 * math.max((s or 0) - 1, 0)
 end
 
+-- Serves an extension call: KEYS[i] a lease's key, ARGV[2i] its token, ARGV[2i+1] its TTL
+-- (ms), after ARGV[1], the minimum uptime (ms; 0 for none: a quorum member up for less than
+-- that, which may have restarted empty, extends nothing). `extend(key, token, ttl, now_ms)`
+-- extends one lease and returns 1, or 0 when it is not held. Returns one answer per lease, a
+-- failed one as its error's text (see each). Costs TIME once per call.
+local function extensions(extend)
+  local now_ms = server_clock()
+  local min_uptime = tonumber(ARGV[1])
+  local counted = min_uptime <= 0 or uptime_ms(min_uptime, math.floor(now_ms / 1000)) >= min_uptime
+  local function one(i)
+    return extend(KEYS[i], ARGV[2 * i], tonumber(ARGV[2 * i + 1]), now_ms)
+  end
+  local out = {}
+  -- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
+  for i = 1, (#ARGV - 1) / 2 do
+    if counted then
+      local code, err = each(one, i)
+      out[i] = err or code
+    else
+      out[i] = 0
+    end
+  end
+  return out
+end
+
 -- Ends the lease in `key`'s record, whose flags were read as `w`, `q` and `s`: `e` becomes 0
 -- and the holder's label goes with it; `t` becomes `released` (the token whose release ended
 -- the lease: a reentrant reign's last hold; nil to keep `t`), so a release re-sent after a
