@@ -10,7 +10,7 @@ use crate::guard::{LockGuard, Lost};
 
 impl LockManager {
     /// The locks `names` taken together, with the manager's default options: see
-    /// [`MultiLock`]. Bad names (none at all, an empty one, one named twice) fail the
+    /// [`MultiLock`]. Bad names (none at all, an empty one, one key twice) fail the
     /// acquire with [`Error::InvalidConfig`].
     ///
     /// ```
@@ -35,8 +35,8 @@ impl LockManager {
 /// Several locks held as one: [`acquire`](Self::acquire) returns once it holds all of them,
 /// or fails holding none.
 ///
-/// The locks are taken one by one in a fixed global order (by key, then store), whatever
-/// order they were named in, so two callers asking for overlapping sets in different orders
+/// The locks are taken one by one in a fixed global order (by key), whatever order they
+/// were named in, so two callers asking for overlapping sets in different orders
 /// never deadlock: each waits only for locks after the ones it holds. When one cannot be
 /// had (a timeout, an error), the ones already taken are given back before the call
 /// returns its error. Dropping the future at any point gives back everything it took, and
@@ -75,17 +75,9 @@ impl fmt::Debug for MultiLock {
 impl MultiLock {
     /// The locks `locks`, held together.
     pub fn of(locks: impl IntoIterator<Item = Lock>) -> MultiLock {
-        let mut locks: Vec<(Lock, String)> = locks
-            .into_iter()
-            .map(|l| {
-                let store = format!("{:?}", l.shared.engine.backend);
-                (l, store)
-            })
-            .collect();
-        locks.sort_by(|(a, sa), (b, sb)| a.key.as_str().cmp(b.key.as_str()).then(sa.cmp(sb)));
-        MultiLock {
-            locks: locks.into_iter().map(|(l, _)| l).collect(),
-        }
+        let mut locks: Vec<Lock> = locks.into_iter().collect();
+        locks.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+        MultiLock { locks }
     }
 
     /// The locks, in the order they are taken.
@@ -93,19 +85,23 @@ impl MultiLock {
         &self.locks
     }
 
+    /// Refuses a set that could not be taken: none at all, an empty name, or one key twice
+    /// (the same lock would wait for itself; and two stores' locks of one key could not be
+    /// put in the same order by every caller).
     fn check(&self) -> Result<()> {
         if self.locks.is_empty() {
             return Err(Error::invalid("a multi-lock needs at least one lock"));
         }
+        if self.locks.iter().any(|l| l.name().is_empty()) {
+            return Err(Error::invalid("lock name must not be empty"));
+        }
         for pair in self.locks.windows(2) {
-            let same_store = std::sync::Arc::ptr_eq(
-                &pair[0].shared.engine.backend,
-                &pair[1].shared.engine.backend,
-            );
-            if pair[0].key == pair[1].key && same_store {
+            if pair[0].key == pair[1].key {
                 return Err(Error::invalid(format!(
-                    "a multi-lock names the lock {:?} twice (it would wait for itself)",
-                    pair[0].name()
+                    "a multi-lock names the key {} twice: the same lock would wait for itself, \
+                     and one key on two stores cannot be ordered alike by every caller \
+                     (give one of them another key prefix)",
+                    pair[0].key
                 )));
             }
         }
