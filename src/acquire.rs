@@ -422,8 +422,12 @@ impl Held for Option<LockGuard> {
 /// (the re-checker) re-checks now and then; the others wait for a wake-up from the store. So
 /// 10,000 idle waiters on one lock cost the store what one does. A re-checker that leaves
 /// (granted, timed out, dropped) hands the turn to another waiter.
+///
+/// Waiters share a re-checker only with waiters that the same state of the lock lets in
+/// ([`Class`]): a reader held back by a waiting writer, or a permit waiter counting fewer
+/// permits, must not be the one that re-checks for a writer or for a larger count.
 struct Rechecks {
-    at: (usize, LeaseKey),
+    at: (usize, LeaseKey, Class),
     /// Taken (under the registry's lock) when this waiter leaves.
     shared: Option<Arc<Recheck>>,
     mine: bool,
@@ -437,7 +441,26 @@ struct Recheck {
     handover: Event,
 }
 
-type RecheckKeys = HashMap<(usize, LeaseKey), Arc<Recheck>>;
+type RecheckKeys = HashMap<(usize, LeaseKey, Class), Arc<Recheck>>;
+
+/// Which waiters of one lock a free state lets in alike: exclusive claims (plain, fair,
+/// reentrant: the lock free), reads, and permits by their count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Class {
+    Exclusive,
+    Read,
+    Permits(u32),
+}
+
+impl Class {
+    fn of(kind: &ClaimKind) -> Class {
+        match kind {
+            ClaimKind::Read => Class::Read,
+            ClaimKind::Permit(n) => Class::Permits(*n),
+            _ => Class::Exclusive,
+        }
+    }
+}
 
 static RECHECKS: LazyLock<Mutex<RecheckKeys>> = LazyLock::new(Mutex::default);
 
@@ -447,7 +470,11 @@ fn rechecks() -> MutexGuard<'static, RecheckKeys> {
 
 impl Rechecks {
     fn join(target: &Target<'_>) -> Self {
-        let at = (store_id(&target.manager.backend), target.key.clone());
+        let at = (
+            store_id(&target.manager.backend),
+            target.key.clone(),
+            Class::of(target.kind),
+        );
         let shared = rechecks().entry(at.clone()).or_default().clone();
         Rechecks {
             at,

@@ -306,7 +306,9 @@ local function drop_dead(key, now_ms)
   local shared = key .. ':shared'
   local dead = redis.call('ZRANGEBYSCORE', shared, 0, now_ms)
   for i = 1, #dead, 500 do
-    redis.call('HDEL', key .. ':sharers', unpack(dead, i, math.min(i + 499, #dead)))
+    -- (pcall: a hash of another type there must not fail a release; an acquire finds it out
+    -- when it writes its own entry.)
+    redis.pcall('HDEL', key .. ':sharers', unpack(dead, i, math.min(i + 499, #dead)))
   end
   redis.call('ZREMRANGEBYSCORE', shared, '(' .. int(-now_ms), now_ms)
   return shared

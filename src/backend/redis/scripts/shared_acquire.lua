@@ -72,26 +72,28 @@ if mode == PERMITS and holder then
     return {0, math.max(tonumber(first[2] or e) - now_ms, 0)}
   end
 end
+-- Every command that can fail on a key of another type has run (the record's HMGET, the
+-- set's read in drop_dead), but for the hash of fences and labels: it is written first, so
+-- that a failure there leaves nothing behind (a script is not rolled back).
+ours(key, x, t, f)
 local until_ms = now_ms + ttl
-local fence
-if holder then
-  fence = math.max((num(f) or 0) + 1, clock_us)
-  if until_ms > num(e) then
-    local at = renewal(x, until_ms)
-    if at then
-      redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
-    else
-      redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
-    end
-    expire_at(key, at)
-  else
-    redis.call('HSET', key, 'f', int(fence))
-  end
-else
-  fence = grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
-end
-redis.call('ZADD', shared, int(until_ms), token)
+-- As grant's, with no floor (shared claims are not served over Redlock).
+local fence = math.max((num(f) or 0) + 1, clock_us)
 redis.call('HSET', sharers, token, int(fence) .. ' ' .. label)
+redis.call('ZADD', shared, int(until_ms), token)
+if not holder then
+  grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
+elseif until_ms > num(e) then
+  local at = renewal(x, until_ms)
+  if at then
+    redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
+  else
+    redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
+  end
+  expire_at(key, at)
+else
+  redis.call('HSET', key, 'f', int(fence))
+end
 if not holder or until_ms > num(e) then
   keep_shared(key, until_ms)
 end

@@ -25,7 +25,8 @@ if score < 0 then
   -- Released already: a re-sent release.
   return 1
 end
-redis.call('HDEL', key .. ':sharers', token)
+-- (pcall: a hash of another type beside the set must not keep the hold from being given back.)
+redis.pcall('HDEL', key .. ':sharers', token)
 if score <= now_ms or not shared_mode(holding(t, e, now_ms)) then
   redis.call('ZREM', shared, token)
   return 0
