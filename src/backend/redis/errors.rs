@@ -5,7 +5,7 @@ use crate::error::Error;
 
 /// A fred error as the crate's: [`Unavailable`](crate::backend::Unavailable) for one that
 /// may pass if the call is tried again soon (the connection, a timeout, a failover or a
-/// resharding in progress, a server still loading), so that a waiting acquire waits on
+/// resharding in progress, a server still loading, no connection to send it on yet), so that a waiting acquire waits on
 /// through it; any other as it is.
 pub(super) fn store_error(e: fred::error::Error) -> Error {
     use fred::error::ErrorKind;
@@ -18,7 +18,10 @@ pub(super) fn store_error(e: fred::error::Error) -> Error {
             | ErrorKind::Sentinel
             | ErrorKind::Cluster
             | ErrorKind::Backpressure
-    ) || passing(e.details());
+    ) || passing(e.details())
+        // fred's word for a command with no connection to go on (dropped, not yet remade),
+        // of kind `Unknown` (fred 10.1, router/commands.rs).
+        || e.details().starts_with("Failed to route command");
     if passing {
         Error::backend(crate::backend::Unavailable(e.to_string()))
     } else {

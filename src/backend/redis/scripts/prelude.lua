@@ -239,14 +239,15 @@ end
 -- `floor` (a Redlock quorum's proposal; 0 for none), which is capped at the clock plus 2 s
 -- (a client whose clock runs fast cannot push the counter far ahead of the clocks that floor
 -- it after a restart). A token the last holder released is kept as `r`, for its re-sent
--- release. Costs one HSET, and a PEXPIREAT when the record's hour needs renewing.
+-- release (across a time of shared holds, whose markers never take its place). Costs one
+-- HSET, and a PEXPIREAT when the record's hour needs renewing.
 local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us)
   ours(key, x, t, f)
   local fence = math.max((num(f) or 0) + 1, clock_us, math.min(floor, clock_us + 2000000))
   local until_ms = now_ms + ttl
   local at = renewal(x, until_ms)
   local args = {'HSET', key, 't', token, 'e', int(until_ms), 'f', int(fence), 'h', label}
-  if e == '0' and t and t ~= token then
+  if e == '0' and t and t ~= token and string.sub(t, 1, 1) ~= '*' then
     args[#args + 1] = 'r'
     args[#args + 1] = t
   end
