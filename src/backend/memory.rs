@@ -65,7 +65,7 @@ struct State {
     /// held by the mode's marker until the latest of them runs out, as on Redis.
     shared: HashMap<LeaseKey, Shared>,
     /// Until when a plain claim waits for each key: new reads wait behind it (writer
-    /// preference), as the Redis record's `w`.
+    /// preference), as the Redis record's `v`.
     writers: HashMap<LeaseKey, Instant>,
     /// Until when shared claims wait for each key: a release that frees it wakes every
     /// waiter, as the Redis record's `s`.
