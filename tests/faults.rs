@@ -1695,3 +1695,56 @@ async fn a_waiter_with_a_limit_waits_out_a_server_that_stops_answering() {
 fn held_key(m: &LockManager, name: &str) -> String {
     m.lock(name).key().as_str().to_owned()
 }
+
+/// A burst of more pub/sub messages than fred buffers for the subscriber (one script call
+/// publishes 50,000 on a lock channel that a waiter of this process listens to) must not end
+/// the wake-ups: a later release still wakes its waiter by message, long before the fallback
+/// re-check (10 s). fred's own `on_message` loop ends for good at the first lag, after which
+/// every release woke nobody in the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_messages_does_not_end_the_wake_ups() {
+    let srv = RedisServer::start();
+    let opts = LockOptions::new()
+        .ttl(secs(30))
+        .retry(RetryPolicy::notify().max_delay(secs(10)));
+    let locks = manager(&srv, opts).await;
+    let holder_of_a = locks.lock("a").acquire().await.expect("a");
+    let holder_of_b = locks.lock("b").acquire().await.expect("b");
+    let spawn_waiter = |name: &'static str| {
+        let lock = locks.lock(name);
+        tokio::spawn(async move { lock.acquire_timeout(secs(30)).await })
+    };
+    let waiter_a = spawn_waiter("a");
+    let waiter_b = spawn_waiter("b");
+    // Both waiters registered (and so subscribed: a waiter registers after subscribing).
+    let registered = wait_for_async(secs(10), || {
+        field(&srv, "redlease:{a}", "w").is_some() && field(&srv, "redlease:{b}", "w").is_some()
+    })
+    .await;
+    assert!(registered, "the waiters never registered");
+    let burst = srv.cmd(&[
+        "EVAL",
+        "for i = 1, 50000 do redis.call('PUBLISH', KEYS[1], 'x') end return 1",
+        "1",
+        "redlease:{b}:released",
+    ]);
+    assert_eq!(burst.as_int(), Some(1), "{burst:?}");
+    // The release's message reaches the subscriber after the whole burst (one connection
+    // delivers in order), and must still wake its waiter.
+    let released = Instant::now();
+    holder_of_a.release().await.expect("release a");
+    let got = tokio::time::timeout(secs(20), waiter_a)
+        .await
+        .expect("waiter a ended")
+        .expect("task")
+        .expect("waiter a got the lock");
+    let took = released.elapsed();
+    assert!(
+        took < secs(3),
+        "the waiter took {took:?} after the release: woken by its fallback re-check, not by the \
+         release's message"
+    );
+    drop(got);
+    drop(holder_of_b);
+    let _ = tokio::time::timeout(secs(20), waiter_b).await;
+}

@@ -1410,3 +1410,42 @@ async fn a_release_wakes_a_waiter_that_can_use_the_permit_in_another_process() {
         g.release().await.expect("release");
     }
 }
+
+/// A busy name keeps a bounded set: released permits stay beside the lock (so that a release
+/// re-sent after a reconnect is still answered "released"), but only the last 1,000 of
+/// them. A replayed release of a recent permit is answered as the first was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_permits_kept_for_replays_are_bounded() {
+    use redlease::backend::{Acquire, Attempt, Claim, ClaimKind, NodeTerms, Release};
+    use redlease::Token;
+    let srv = RedisServer::start();
+    let backend = RedisBackend::connect(&srv.url()).await.expect("connect");
+    let key = LeaseKey::new("redlease:", "busy");
+    let mut last = None;
+    for _ in 0..1_500 {
+        let claim = Claim::new(key.clone(), Token::shared(), secs(10)).kind(ClaimKind::Permit(4));
+        let granted = backend
+            .acquire(&claim, Attempt::Once, NodeTerms::new())
+            .await
+            .expect("acquire");
+        let Acquire::Granted(grant) = granted else {
+            panic!("a free permit was refused: {granted:?}");
+        };
+        let lease = grant.lease.clone();
+        let released = backend
+            .release(&claim, Release::Confirmed { lease: &lease })
+            .await
+            .expect("release");
+        assert_eq!(released, Some(0));
+        last = Some((claim, lease));
+    }
+    let kept = srv.cmd(&["ZCARD", "redlease:{busy}:shared"]).as_int();
+    assert_eq!(kept, Some(1_000), "released permits kept beside the lock");
+    // The last release, re-sent: still "released".
+    let (claim, lease) = last.expect("a permit");
+    let replayed = backend
+        .release(&claim, Release::Confirmed { lease: &lease })
+        .await
+        .expect("replayed release");
+    assert_eq!(replayed, Some(0), "a replayed release of a recent permit");
+}

@@ -17,6 +17,12 @@ use super::{Inner, RedisBackend, Scripts};
 use crate::backend::redlock::{Redlock, RedlockOptions};
 use crate::error::{Error, Result};
 use crate::runtime::{self, in_tokio};
+use tokio::sync::broadcast::error::RecvError;
+
+/// How many pub/sub messages fred keeps for the subscriber's handler while it is not running
+/// (fred's default: 32). More than that in a burst and the handler misses some: it then wakes
+/// every waiter to look again (see `pubsub.rs`), which costs a round of attempts.
+const MESSAGES_BUFFERED: usize = 1024;
 
 /// Connection settings for [`RedisBackend::connect_with`].
 ///
@@ -321,7 +327,10 @@ impl RedisBackend {
         let mut builder = Builder::from_config(config);
         builder
             .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
-            .with_performance_config(|p| p.default_command_timeout = options.command_timeout)
+            .with_performance_config(|p| {
+                p.default_command_timeout = options.command_timeout;
+                p.broadcast_channel_capacity = MESSAGES_BUFFERED;
+            })
             .with_connection_config(|c| {
                 c.connection_timeout = options.connect_timeout;
                 c.internal_command_timeout = options.connect_timeout;
@@ -376,7 +385,10 @@ impl RedisBackend {
         let mut builder = Builder::from_config(config);
         builder
             .set_performance_config(client.perf_config())
-            .set_connection_config(client.connection_config().clone());
+            .set_connection_config(client.connection_config().clone())
+            .with_performance_config(|p| {
+                p.broadcast_channel_capacity = p.broadcast_channel_capacity.max(MESSAGES_BUFFERED)
+            });
         if let Some(policy) = client.client_reconnect_policy() {
             builder.set_policy(policy);
         }
@@ -413,19 +425,21 @@ impl RedisBackend {
         let watched = policy.clone();
         // The connection tasks and this listener run where `init` runs them: on the
         // caller's tokio runtime, or the crate's own one.
-        in_tokio(async {
-            drop(reloader.clone().on_reconnect(move |_| {
-                counted.fetch_add(1, Ordering::AcqRel);
-                let (client, all, policy) = (reloader.clone(), all.clone(), watched.clone());
-                async move {
-                    let loads = all.iter().map(|s| s.load(&client));
+        // (Read from fred's channel here, not through `on_reconnect`, whose loop ends for good
+        // at the first lag: see `pubsub.rs`. A lag is taken for one more reconnect.)
+        let mut events = reloader.reconnect_rx();
+        in_tokio(async move {
+            drop(tokio::spawn(async move {
+                while let Ok(_) | Err(RecvError::Lagged(_)) = events.recv().await {
+                    counted.fetch_add(1, Ordering::AcqRel);
+                    let loads = all.iter().map(|s| s.load(&reloader));
                     let _ = futures::future::join_all(loads).await;
-                    if let Ok(info) = client.info::<String>(Some(InfoKind::Memory)).await {
-                        policy.observe(&info);
+                    let info = reloader.info::<String>(Some(InfoKind::Memory)).await;
+                    if let Ok(info) = info {
+                        watched.observe(&info);
                     }
-                    Ok(())
                 }
-            }))
+            }));
         })
         .await;
         if wait {

@@ -12,6 +12,7 @@ use fred::clients::SubscriberClient;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::prelude::Client;
 use fred::types::Value;
+use tokio::sync::broadcast::error::RecvError;
 
 use super::keys::{part, Part};
 use crate::backend::Subscription;
@@ -62,6 +63,31 @@ struct Channel {
 
 fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<String, Channel>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A message on `channel`: wakes one local waiter (a release: waking them all would send
+/// every waiter's attempt to Redis for one lease), the waiter it names (a fair hand-off), or
+/// every local listener (a cache fill, or a release that shared claims wait for: `*`, as the
+/// readers a write held back may all go in).
+fn deliver(channels: &Mutex<HashMap<String, Channel>>, channel: &str, value: &Value) {
+    if let Some(c) = lock_map(channels).get(channel) {
+        let said = value.as_str();
+        match said.as_deref().and_then(|t| c.targets.get(t)) {
+            Some(waiter) => waiter.notify(usize::MAX),
+            None if c.broadcast || said.as_deref() == Some("*") => c.event.notify(usize::MAX),
+            None => c.event.notify(1.additional()),
+        };
+    }
+}
+
+/// Wakes every local waiter of every channel, to look again: messages may have been lost.
+fn wake_all(channels: &Mutex<HashMap<String, Channel>>) {
+    for c in lock_map(channels).values() {
+        c.event.notify(usize::MAX);
+        for waiter in c.targets.values() {
+            waiter.notify(usize::MAX);
+        }
+    }
 }
 
 impl PubSub {
@@ -158,42 +184,36 @@ impl PubSub {
 
     /// Connects the subscriber and installs its handlers on the crate's background runtime,
     /// so they keep running whichever runtime the waiters use.
+    ///
+    /// The handlers read fred's broadcast channels themselves rather than through
+    /// `on_message`/`on_reconnect`, whose loop ends for good at the first `Lagged` (a burst
+    /// of messages larger than the channel while the handler was not running): every
+    /// later release would then wake nobody in this process. Here a lag wakes every waiter
+    /// to look again, as a reconnect does (the messages it dropped are lost).
     async fn start(&self) -> Result<()> {
         let client = self.client.clone();
         let channels = self.channels.clone();
         let started = runtime::background().run(async move {
+            let mut messages = client.message_rx();
+            let mut reconnects = client.reconnect_rx();
             client.init().await?;
             let on_message = channels.clone();
-            drop(client.on_message(move |msg| {
-                // One release, one local waiter (the longest waiting): waking them all would
-                // send every waiter's attempt to Redis for one lease.
-                if let Some(c) = lock_map(&on_message).get(&*msg.channel) {
-                    let target = msg.value.as_str().and_then(|t| c.targets.get(&*t).cloned());
-                    match target {
-                        // A hand-off: only the waiter it names acts on it.
-                        Some(waiter) => waiter.notify(usize::MAX),
-                        // A cache fill wakes every local listener; so does a release that
-                        // shared claims wait for ('*': the readers a write held back may all
-                        // go in); other releases, one.
-                        None if c.broadcast || msg.value.as_str().as_deref() == Some("*") => {
-                            c.event.notify(usize::MAX)
-                        }
-                        None => c.event.notify(1.additional()),
-                    };
-                }
-                futures::future::ready(Ok(()))
-            }));
-            // Messages published while the connection was down are lost: wake every waiter
-            // to re-check at once instead of at its fallback timer.
-            drop(client.on_reconnect(move |_| {
-                for c in lock_map(&channels).values() {
-                    c.event.notify(usize::MAX);
-                    for waiter in c.targets.values() {
-                        waiter.notify(usize::MAX);
+            runtime::background().spawn(async move {
+                loop {
+                    match messages.recv().await {
+                        Ok(msg) => deliver(&on_message, &msg.channel, &msg.value),
+                        Err(RecvError::Lagged(_)) => wake_all(&on_message),
+                        Err(RecvError::Closed) => break,
                     }
                 }
-                futures::future::ready(Ok(()))
-            }));
+            });
+            runtime::background().spawn(async move {
+                // Messages published while the connection was down are lost: wake every
+                // waiter to re-check at once instead of at its fallback timer.
+                while let Ok(_) | Err(RecvError::Lagged(_)) = reconnects.recv().await {
+                    wake_all(&channels);
+                }
+            });
             drop(client.manage_subscriptions());
             Ok::<_, fred::error::Error>(())
         });

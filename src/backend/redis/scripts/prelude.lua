@@ -292,9 +292,11 @@ end
 -- latest expiry among them, so every other kind of claim sees the lock held, with no change
 -- to its script; a read and a permit on one name exclude each other the same way. A released
 -- hold stays in the set for KEPT ms with a negative score (minus the time it is kept until),
--- so that its release, re-sent after a reconnect, is still answered "released".
+-- so that its release, re-sent after a reconnect, is still answered "released"; only the
+-- last KEPT_MOST of them, so that a busy name (thousands of releases a second) keeps a
+-- bounded set.
 local READ, PERMITS = '*r', '*p'
-local KEPT = 60000
+local KEPT, KEPT_MOST = 60000, 1000
 
 -- Whether `t` is a shared mode's marker.
 local function shared_mode(t)

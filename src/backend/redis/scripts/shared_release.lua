@@ -33,6 +33,11 @@ if score <= now_ms or not shared_mode(holding(t, e, now_ms)) then
 end
 redis.call('ZADD', shared, int(-(now_ms + KEPT)), token)
 drop_dead(key, now_ms)
+-- The released holds, newest first (the most negative scores): the oldest beyond KEPT_MOST go.
+local gone = redis.call('ZCOUNT', shared, '-inf', '(0')
+if gone > KEPT_MOST then
+  redis.call('ZREMRANGEBYRANK', shared, KEPT_MOST, gone - 1)
+end
 local latest = redis.call('ZREVRANGEBYSCORE', shared, '+inf', '(' .. int(now_ms), 'WITHSCORES', 'LIMIT', 0, 1)
 if #latest == 0 then
   end_lease(key, seen[3], seen[4], now_ms, nil, seen[5])
