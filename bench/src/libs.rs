@@ -231,6 +231,17 @@ impl ClusterClients {
     }
 }
 
+/// A lock manager of its own on `url` (one server), TTL [`TTL`]: W8 and W9 give each run a
+/// new one, so that what one run leaves in a manager (its subscriber connection's state)
+/// cannot change the next run's numbers.
+pub async fn fresh_manager(url: &str) -> redlease::LockManager {
+    let backend = redlease::RedisBackend::connect(url)
+        .await
+        .expect("redlease connects");
+    redlease::LockManager::with_options(backend, redlease::LockOptions::new().ttl(TTL))
+        .expect("options")
+}
+
 /// A lock manager on `url` (one server or a cluster), and the floor's fred client with its
 /// compare-and-delete script loaded (on every primary of a cluster).
 async fn redlease_and_fred(url: &str) -> (redlease::LockManager, fred::clients::Client, Script) {
@@ -302,4 +313,273 @@ async fn fred_floor(fred: &fred::clients::Client, script: &Script, key: &str, ac
         .evalsha(fred, key, token.as_str())
         .await
         .expect("release");
+}
+
+/// The hand-written floors of W8 and W9: a semaphore and a read-write lock on fred, the
+/// simplest correct way by hand (the sorted-set pattern of Redisson's expirable semaphore and
+/// madelson's DistributedLock): one script call per acquire and per release, leases by the
+/// server's clock, waiters woken by a message on release (a connection of their own, one
+/// subscription per name) with a fallback re-check every second. No fencing tokens, no
+/// re-sent-command answers, no watchdog. The semaphore does not yield to waiters (a releaser
+/// may take its permit straight back); the read-write lock's writer does yield to waiting
+/// readers, without which it starves them (see bench/README.md, W9).
+#[derive(Clone)]
+pub struct SharedFloor {
+    fred: fred::clients::Client,
+    subscriber: fred::clients::Client,
+    /// channel -> its waiters.
+    channels: std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Notify>>>,
+    >,
+    scripts: std::sync::Arc<[Script; 6]>,
+}
+
+/// Milliseconds since the epoch by the server's clock, in a floor script.
+const FLOOR_NOW: &str =
+    "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) ";
+
+/// The floor semaphore's acquire. KEYS: the holds (token -> expiry); ARGV: token, ttl, permits.
+const SEM_ACQUIRE: &str = "redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then \
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) return 1 end return 0";
+/// Its release. KEYS: the holds, the channel; ARGV: token.
+const SEM_RELEASE: &str = "if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then \
+  redis.call('PUBLISH', KEYS[2], '1') return 1 end return 0";
+/// The floor read-write lock's read. KEYS: the reads (token -> expiry), the write, the
+/// writer-waits flag, the readers-wait flag; ARGV: token, ttl, flag ms. Refused while a
+/// writer holds or waits (writer preference), raising the readers-wait flag.
+const RW_READ: &str = "if redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then \
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[3]) return 0 end \
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) return 1";
+/// Its write: a first attempt yields (-1) while readers wait (so that a writer that has just
+/// released does not take the lock back from the readers its release woke); granted when
+/// no read runs; else it raises the writer-waits flag (new reads wait while it runs). KEYS
+/// as a read; ARGV: token, ttl, flag ms, 1 for a first attempt.
+const RW_WRITE: &str = "if ARGV[4] == '1' and redis.call('EXISTS', KEYS[4]) == 1 then return -1 end \
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
+if redis.call('ZCARD', KEYS[1]) == 0 and redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then \
+  redis.call('DEL', KEYS[3]) return 1 end \
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3]) return 0";
+/// A read's release: the last live read wakes the waiters. KEYS: the reads, the channel.
+const RW_READ_RELEASE: &str = "if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end \
+if redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%.0f', now), '+inf') == 0 then \
+  redis.call('PUBLISH', KEYS[2], '*') end return 1";
+/// The write's release (compare-and-delete, then wake the waiters). KEYS: the write, the
+/// channel.
+const RW_WRITE_RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+  redis.call('DEL', KEYS[1]) redis.call('PUBLISH', KEYS[2], '*') return 1 end return 0";
+
+/// The re-check of a floor waiter that no message woke (a holder that crashed never
+/// publishes): redlease's default `max_delay`.
+const FLOOR_RECHECK: Duration = Duration::from_secs(1);
+
+/// How long the floor's waiting flags run, in ms: as long as a redlease waiter's (twice the
+/// re-check plus 100 ms).
+const FLOOR_FLAG: u128 = 2 * FLOOR_RECHECK.as_millis() + 100;
+
+impl SharedFloor {
+    /// Connects both connections and loads the scripts. The messages are read from fred's
+    /// broadcast receiver rather than through `on_message`, whose task ends for good when
+    /// the receiver lags (more than 32 messages unread): a lag wakes every waiter instead.
+    pub async fn connect(url: &str) -> SharedFloor {
+        use tokio::sync::broadcast::error::RecvError;
+        let client = || {
+            let config = fred::types::config::Config::from_url(url).expect("url");
+            fred::types::Builder::from_config(config)
+                .build()
+                .expect("fred client")
+        };
+        let (fred, subscriber) = (client(), client());
+        fred.init().await.expect("fred connects");
+        subscriber.init().await.expect("fred subscriber connects");
+        let with_now = |body: &str| Script::from_lua(format!("{FLOOR_NOW}{body}"));
+        let scripts = [
+            with_now(SEM_ACQUIRE),
+            Script::from_lua(SEM_RELEASE),
+            with_now(RW_READ),
+            with_now(RW_WRITE),
+            with_now(RW_READ_RELEASE),
+            Script::from_lua(RW_WRITE_RELEASE),
+        ];
+        for s in &scripts {
+            s.load(&fred).await.expect("floor script loads");
+        }
+        let channels: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<_, _>>> =
+            Default::default();
+        let on_message = channels.clone();
+        let mut rx = fred::interfaces::EventInterface::message_rx(&subscriber);
+        tokio::spawn(async move {
+            loop {
+                let msg = match rx.recv().await {
+                    Ok(msg) => msg,
+                    Err(RecvError::Lagged(_)) => {
+                        let all: Vec<std::sync::Arc<tokio::sync::Notify>> =
+                            on_message.lock().unwrap().values().cloned().collect();
+                        for n in all {
+                            n.notify_waiters();
+                            n.notify_one();
+                        }
+                        continue;
+                    }
+                    Err(RecvError::Closed) => return,
+                };
+                let notify = on_message.lock().unwrap().get(&*msg.channel).cloned();
+                // A semaphore's release wakes one waiter ('1'), a read-write lock's every
+                // waiter ('*').
+                if let Some(n) = notify {
+                    let n: std::sync::Arc<tokio::sync::Notify> = n;
+                    if msg.value.as_str().as_deref() == Some("*") {
+                        n.notify_waiters();
+                    } else {
+                        n.notify_one();
+                    }
+                }
+            }
+        });
+        SharedFloor {
+            fred,
+            subscriber,
+            channels,
+            scripts: std::sync::Arc::new(scripts),
+        }
+    }
+
+    /// Subscribes to `name`'s releases; the waiters' handle.
+    pub async fn watch(&self, name: &str) -> FloorLock {
+        use fred::interfaces::PubsubInterface;
+        let channel = format!("floor:{{{name}}}:released");
+        let notify = std::sync::Arc::new(tokio::sync::Notify::new());
+        self.channels
+            .lock()
+            .unwrap()
+            .insert(channel.clone(), notify.clone());
+        self.subscriber
+            .subscribe(channel.as_str())
+            .await
+            .expect("SUBSCRIBE");
+        FloorLock {
+            floor: self.clone(),
+            key: format!("floor:{{{name}}}"),
+            channel,
+            notify,
+        }
+    }
+}
+
+/// One name of the hand-written floors (a semaphore or a read-write lock).
+#[derive(Clone)]
+pub struct FloorLock {
+    floor: SharedFloor,
+    key: String,
+    channel: String,
+    notify: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl FloorLock {
+    /// Tries `script` until it answers 1: listening for a release before each attempt (so a
+    /// release between the attempt's answer and the wait is not missed), then waiting for it
+    /// or the re-check. `args(first)` are the attempt's arguments; an answer of -1 (a first
+    /// attempt that yielded to waiters) is tried again after two of its round trips and a
+    /// millisecond, or at a release, as redlease does.
+    async fn wait_for(&self, script: usize, keys: Vec<String>, args: impl Fn(bool) -> Vec<String>) {
+        let mut first = true;
+        loop {
+            let woken = self.notify.notified();
+            let mut woken = std::pin::pin!(woken);
+            woken.as_mut().enable();
+            let sent = std::time::Instant::now();
+            let got: i64 = self.floor.scripts[script]
+                .evalsha(&self.floor.fred, keys.clone(), args(first))
+                .await
+                .expect("floor acquire");
+            let pause = match got {
+                1 => return,
+                -1 => sent.elapsed() * 2 + Duration::from_millis(1),
+                _ => FLOOR_RECHECK,
+            };
+            first = false;
+            let _ = tokio::time::timeout(pause, woken).await;
+        }
+    }
+
+    /// Waits for one of `permits` permits; returns its token.
+    pub async fn acquire_permit(&self, permits: u32) -> String {
+        let token = token();
+        let keys = vec![format!("{}:permits", self.key)];
+        let args = vec![
+            token.clone(),
+            TTL.as_millis().to_string(),
+            permits.to_string(),
+        ];
+        self.wait_for(0, keys, |_| args.clone()).await;
+        token
+    }
+
+    pub async fn release_permit(&self, token: &str) {
+        let keys = vec![format!("{}:permits", self.key), self.channel.clone()];
+        let _: i64 = self.floor.scripts[1]
+            .evalsha(&self.floor.fred, keys, token)
+            .await
+            .expect("floor release");
+    }
+
+    fn rw_keys(&self) -> Vec<String> {
+        ["reads", "write", "writer-waits", "readers-wait"]
+            .iter()
+            .map(|k| format!("{}:{k}", self.key))
+            .collect()
+    }
+
+    /// Waits for a read; returns its token.
+    pub async fn read(&self) -> String {
+        let token = token();
+        let args = vec![
+            token.clone(),
+            TTL.as_millis().to_string(),
+            FLOOR_FLAG.to_string(),
+        ];
+        self.wait_for(2, self.rw_keys(), |_| args.clone()).await;
+        token
+    }
+
+    /// Waits for the write; returns its token.
+    pub async fn write(&self) -> String {
+        let token = token();
+        let args = |first: bool| {
+            let first = if first { "1" } else { "0" };
+            vec![
+                token.clone(),
+                TTL.as_millis().to_string(),
+                FLOOR_FLAG.to_string(),
+                first.to_owned(),
+            ]
+        };
+        self.wait_for(3, self.rw_keys(), args).await;
+        token
+    }
+
+    pub async fn release_read(&self, token: &str) {
+        let keys = vec![format!("{}:reads", self.key), self.channel.clone()];
+        let _: i64 = self.floor.scripts[4]
+            .evalsha(&self.floor.fred, keys, token)
+            .await
+            .expect("floor read release");
+    }
+
+    pub async fn release_write(&self, token: &str) {
+        let keys = vec![format!("{}:write", self.key), self.channel.clone()];
+        let _: i64 = self.floor.scripts[5]
+            .evalsha(&self.floor.fred, keys, token)
+            .await
+            .expect("floor write release");
+    }
+
+    /// Closes both connections (each run connects its own floor); the message loop ends
+    /// with them.
+    pub async fn close(self) {
+        self.floor.channels.lock().unwrap().remove(&self.channel);
+        let _ = self.floor.subscriber.quit().await;
+        let _ = self.floor.fred.quit().await;
+    }
 }

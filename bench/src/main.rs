@@ -511,6 +511,146 @@ async fn main() {
         .unwrap();
     }
 
+    // W8 and W9: the shared kinds on one name, 64 tasks, one shared client, beside the same
+    // server-side work written by hand on fred and the plain lock doing the same loop. Each
+    // run gets a lock manager (or the floor's connections) of its own.
+
+    // W8: a semaphore of 8 permits, 64 tasks; each cycle acquire -> release, no work.
+    if plan.runs("W8") {
+        eprintln!("W8");
+        use workloads::W8Row;
+        let rows = [
+            W8Row::Semaphore,
+            W8Row::SemaphoreDrop,
+            W8Row::PlainLocks,
+            W8Row::Floor,
+        ];
+        let mut runs: Vec<Vec<workloads::SharedRun>> =
+            (0..rows.len()).map(|_| Vec::new()).collect();
+        let mut redis_us: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        let mut client_us: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        let mut calls: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        for r in 0..plan.repeats {
+            for k in 0..rows.len() {
+                let i = (k + r) % rows.len();
+                let run = workloads::w8(&url, &node, rows[i], plan.dur).await;
+                client_us[i].push(run.cost.client_us);
+                redis_us[i].push(run.cost.redis_us);
+                calls[i].push(run.cost.scripts);
+                runs[i].push(run);
+            }
+        }
+        let rate = |i: usize| -> Vec<f64> { runs[i].iter().map(|r| r.rate).collect() };
+        let med = |i: usize, f: fn(&workloads::SharedRun) -> Duration| -> String {
+            let v: Vec<f64> = runs[i].iter().map(|r| f(r).as_secs_f64() * 1e3).collect();
+            format!("{:.2}", spread(&v).0)
+        };
+        let floor_rate = spread(&rate(3)).0.max(1e-9);
+        let plain_rate = spread(&rate(2)).0.max(1e-9);
+        writeln!(
+            md,
+            "## W8: semaphore of {} permits, 64 tasks on one name, 1 node, one shared client\n\nEach task loops acquire -> release with no work between. The plain-lock row runs the same 64 tasks on 8 locks (8 waiting on each): the same 8 holders at a time. The floor is the same server-side work written by hand (see README). Acquires ≥ 0.5 s and violations count every repeat; \"wake-ups lost after the run\" is a plain-lock hand-off in the run's manager afterwards.\n\n| row | permits/s | vs floor | vs 8 plain locks | acquire p50 / p99 / max | acquires ≥ 0.5 s | wake-ups lost after the run | Redis CPU per cycle | script calls per cycle | client CPU per cycle | grants per task max/min | violations |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
+            workloads::W8_PERMITS
+        )
+        .unwrap();
+        for (i, row) in rows.iter().enumerate() {
+            let m = spread(&rate(i)).0;
+            // The median repeat by rate, for the fairness column.
+            let mut by_rate: Vec<&workloads::SharedRun> = runs[i].iter().collect();
+            by_rate.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+            let Some(c) = by_rate.get(by_rate.len() / 2) else {
+                continue;
+            };
+            writeln!(
+                md,
+                "| {} | {} | {:.2}× | {:.2}× | {} / {} / {} ms | {} | {} | {:.1} µs | {:.2} | {:.1} µs | {}/{} | {} |",
+                row.name(),
+                fmt_spread(&rate(i), ""),
+                m / floor_rate,
+                m / plain_rate,
+                med(i, |r| r.p50),
+                med(i, |r| r.p99),
+                med(i, |r| r.max),
+                runs[i].iter().map(|r| r.slow).sum::<usize>(),
+                wakes_lost(&runs[i]),
+                spread(&redis_us[i]).0,
+                spread(&calls[i]).0,
+                spread(&client_us[i]).0,
+                c.fairness.0,
+                c.fairness.1,
+                runs[i].iter().map(|r| r.violations).sum::<usize>()
+            )
+            .unwrap();
+        }
+        writeln!(md).unwrap();
+    }
+
+    // W9: a read-write lock, 63 readers and 1 writer on one name, each holding 1 ms.
+    if plan.runs("W9") {
+        eprintln!("W9");
+        use workloads::W9Row;
+        let rows = [W9Row::RwLock, W9Row::Exclusive, W9Row::Floor];
+        let mut runs: Vec<Vec<workloads::SharedRun>> =
+            (0..rows.len()).map(|_| Vec::new()).collect();
+        let mut redis_us: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        let mut calls: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
+        for r in 0..plan.repeats {
+            for k in 0..rows.len() {
+                let i = (k + r) % rows.len();
+                let run = workloads::w9(&url, &node, rows[i], plan.dur).await;
+                redis_us[i].push(run.cost.redis_us);
+                calls[i].push(run.cost.scripts);
+                runs[i].push(run);
+            }
+        }
+        let col = |i: usize, f: fn(&workloads::SharedRun) -> f64| -> Vec<f64> {
+            runs[i].iter().map(f).collect()
+        };
+        let med = |i: usize, f: fn(&workloads::SharedRun) -> Duration| -> String {
+            let v: Vec<f64> = runs[i].iter().map(|r| f(r).as_secs_f64() * 1e3).collect();
+            format!("{:.2}", spread(&v).0)
+        };
+        let total = |i: usize| spread(&col(i, |r| r.rate + r.writes_rate)).0.max(1e-9);
+        writeln!(
+            md,
+            "## W9: read-write lock, 63 readers + 1 writer on one name, 1 node, one shared client\n\nEach read and each write holds for a {:?} sleep (1–2 ms by tokio's timer). The exclusive row has every task take one plain lock (everything serialised); the floor is a read-write lock with writer preference written by hand (see README). Ratios are of acquisitions (reads + writes) per second.\n\n| row | reads/s | writes/s | vs exclusive | vs floor | read wait p50 / p99 / max | write wait p50 / p99 / max | waits ≥ 0.5 s | wake-ups lost after the run | Redis CPU per acquisition | script calls per acquisition | reads per reader max/min | most readers inside | violations |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            workloads::W9_SECTION
+        )
+        .unwrap();
+        for (i, row) in rows.iter().enumerate() {
+            let mut by_rate: Vec<&workloads::SharedRun> = runs[i].iter().collect();
+            by_rate.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+            let Some(c) = by_rate.get(by_rate.len() / 2) else {
+                continue;
+            };
+            writeln!(
+                md,
+                "| {} | {} | {} | {:.2}× | {:.2}× | {} / {} / {} ms | {} / {} / {} ms | {} | {} | {:.1} µs | {:.2} | {}/{} | {} | {} |",
+                row.name(),
+                fmt_spread(&col(i, |r| r.rate), ""),
+                fmt_spread(&col(i, |r| r.writes_rate), ""),
+                total(i) / total(1),
+                total(i) / total(2),
+                med(i, |r| r.p50),
+                med(i, |r| r.p99),
+                med(i, |r| r.max),
+                med(i, |r| r.write_p50),
+                med(i, |r| r.write_p99),
+                med(i, |r| r.write_max),
+                runs[i].iter().map(|r| r.slow).sum::<usize>(),
+                wakes_lost(&runs[i]),
+                spread(&redis_us[i]).0,
+                spread(&calls[i]).0,
+                c.fairness.0,
+                c.fairness.1,
+                c.max_inside,
+                runs[i].iter().map(|r| r.violations).sum::<usize>()
+            )
+            .unwrap();
+        }
+        writeln!(md).unwrap();
+    }
+
     writeln!(md, "_Run took {:.0} s._", started.elapsed().as_secs_f64()).unwrap();
     print!("{md}");
     if let Some(dir) = plan.out.parent() {
@@ -518,6 +658,23 @@ async fn main() {
     }
     std::fs::write(&plan.out, &md).expect("write results");
     eprintln!("wrote {}", plan.out.display());
+}
+
+/// W8/W9's "wake-ups lost after the run" column: in how many of the runs a hand-off in the
+/// run's manager afterwards took the fallback re-check (≥ 0.5 s) rather than a wake-up, with
+/// the slowest hand-off; "—" for the floor.
+fn wakes_lost(runs: &[workloads::SharedRun]) -> String {
+    let checks: Vec<Duration> = runs.iter().filter_map(|r| r.wake_after).collect();
+    if checks.is_empty() {
+        return "—".into();
+    }
+    let lost = checks.iter().filter(|d| **d >= workloads::SLOW).count();
+    let worst = checks.iter().max().copied().unwrap_or_default();
+    format!(
+        "{lost} of {} (slowest hand-off {})",
+        checks.len(),
+        ms(worst)
+    )
 }
 
 /// Waits until every node has been up for `d` (the restart guard's condition), saying so.

@@ -1,4 +1,4 @@
-//! The workloads W1–W5 (see bench/README.md).
+//! The workloads W1–W9 (see bench/README.md).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -507,4 +507,407 @@ pub async fn w4_redlease(
         stats::quantile(&mut lat, 0.50),
         stats::quantile(&mut lat, 0.99),
     ))
+}
+
+/// Permits of W8's semaphore, and locks of its plain-lock row.
+pub const W8_PERMITS: u32 = 8;
+
+/// The rows of W8: 64 tasks, 8 holders at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum W8Row {
+    /// `locks.semaphore(name, 8)`, `guard.release().await`.
+    Semaphore,
+    /// The same, `drop(guard)`.
+    SemaphoreDrop,
+    /// 8 plain locks, 8 tasks waiting on each (`acquire()`), explicit release.
+    PlainLocks,
+    /// The hand-written semaphore on fred (see [`crate::libs::SharedFloor`]).
+    Floor,
+}
+
+impl W8Row {
+    pub fn name(self) -> &'static str {
+        match self {
+            W8Row::Semaphore => "redlease semaphore(8) (explicit release)",
+            W8Row::SemaphoreDrop => "redlease semaphore(8) (drop release)",
+            W8Row::PlainLocks => "redlease, 8 plain locks × 8 tasks (explicit release)",
+            W8Row::Floor => "floor by hand: fred, sorted-set script + PUBLISH",
+        }
+    }
+}
+
+/// What W8 and W9 measure for one row.
+#[derive(Debug, Default)]
+pub struct SharedRun {
+    /// Acquisitions per second: permits (W8), or reads and writes (W9).
+    pub rate: f64,
+    pub writes_rate: f64,
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+    pub write_p50: Duration,
+    pub write_p99: Duration,
+    pub write_max: Duration,
+    /// Grants per task, most and fewest (W8); for W9, of the readers.
+    pub fairness: (u64, u64),
+    /// Most holders inside at once (W8: all; W9: readers).
+    pub max_inside: usize,
+    /// Too many inside at once (W8: more than 8, or 2 on one plain lock; W9: a write beside
+    /// anything, or two reads on the exclusive lock).
+    pub violations: usize,
+    pub acquisitions: u64,
+    /// Acquisitions that waited [`SLOW`] or more: a waiter that no release woke, found the
+    /// lock by its fallback re-check (every 0.8–1 s).
+    pub slow: usize,
+    /// After the run, in the run's lock manager: from a release to the waiter it should wake
+    /// (a lock of its own, the waiter in the same manager). About a round trip while the
+    /// manager's wake-ups work; the fallback re-check (0.8–1 s) once they are lost. `None`
+    /// for the floor.
+    pub wake_after: Option<Duration>,
+    /// Per acquisition, over the run's loop only (not the connections made for it, nor the
+    /// check after it).
+    pub cost: Cost,
+}
+
+/// Per acquisition: Redis CPU (µs), script calls, client CPU (µs).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cost {
+    pub redis_us: f64,
+    pub scripts: f64,
+    pub client_us: f64,
+}
+
+impl Cost {
+    /// The counters now (as totals; see [`Cost::per`]).
+    fn start(srv: &RedisServer) -> Cost {
+        Cost {
+            redis_us: redis_cpu(srv) * 1e6,
+            scripts: srv.script_calls() as f64,
+            client_us: stats::process_cpu() * 1e6,
+        }
+    }
+
+    /// What has been spent since `self` was taken, per one of `n` acquisitions.
+    fn per(self, srv: &RedisServer, n: u64) -> Cost {
+        let now = Cost::start(srv);
+        let n = n.max(1) as f64;
+        Cost {
+            redis_us: (now.redis_us - self.redis_us) / n,
+            scripts: (now.scripts - self.scripts) / n,
+            client_us: (now.client_us - self.client_us) / n,
+        }
+    }
+}
+
+/// After a run: one hand-off of a plain lock between two tasks of `manager` (see
+/// [`SharedRun::wake_after`]).
+async fn wake_check(manager: &redlease::LockManager, name: &str) -> Duration {
+    let name = format!("{name}:wake-check");
+    let held = manager
+        .lock(&name)
+        .try_acquire()
+        .await
+        .expect("acquire")
+        .expect("free");
+    let lock = manager.lock(&name);
+    let waiting = tokio::spawn(async move {
+        let g = lock.acquire().await.expect("the waiter's acquire");
+        (Instant::now(), g)
+    });
+    // Time for the waiter's first attempt and subscription.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let released = Instant::now();
+    held.release().await.expect("release");
+    let (got, g) = waiting.await.expect("waiter task");
+    g.release().await.expect("release");
+    got.saturating_duration_since(released)
+}
+
+/// A wait this long suggests a missed wake-up (see [`SharedRun::slow`]).
+pub const SLOW: Duration = Duration::from_millis(500);
+
+/// How a W8/W9 task holds what it acquired.
+enum Holding {
+    Guard(redlease::LockGuard),
+    Floor(String),
+}
+
+/// W8: 64 tasks on one semaphore of 8 permits (or the row's equivalent), one shared client
+/// (a lock manager of its own, or the floor's connections, made for this run); each loops
+/// acquire -> release with no work, until `dur` has passed.
+pub async fn w8(url: &str, srv: &RedisServer, row: W8Row, dur: Duration) -> SharedRun {
+    const TASKS: usize = 64;
+    let name = format!("w8:{}", rand::random::<u32>());
+    let manager = crate::libs::fresh_manager(url).await;
+    let sem = manager.semaphore(&name, W8_PERMITS).expect("semaphore");
+    let locks: Vec<redlease::Lock> = (0..W8_PERMITS)
+        .map(|k| manager.lock(&format!("{name}:{k}")))
+        .collect();
+    let floor_sem = if row == W8Row::Floor {
+        Some(
+            crate::libs::SharedFloor::connect(url)
+                .await
+                .watch(&name)
+                .await,
+        )
+    } else {
+        None
+    };
+    // One slot of 8 (the semaphore), or 8 slots of 1 (the plain locks).
+    let (slots, limit) = if row == W8Row::PlainLocks {
+        (W8_PERMITS as usize, 1)
+    } else {
+        (1, W8_PERMITS as usize)
+    };
+    let inside: Arc<Vec<AtomicUsize>> = Arc::new((0..slots).map(|_| AtomicUsize::new(0)).collect());
+    let all_inside = Arc::new(AtomicUsize::new(0));
+    let max_inside = Arc::new(AtomicUsize::new(0));
+    let violations = Arc::new(AtomicUsize::new(0));
+    let cost = Cost::start(srv);
+    let began = Instant::now();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let (sem, floor_sem) = (sem.clone(), floor_sem.clone());
+            let lock = locks[t % locks.len()].clone();
+            let (inside, all_inside, max_inside, violations) = (
+                inside.clone(),
+                all_inside.clone(),
+                max_inside.clone(),
+                violations.clone(),
+            );
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let slot = &inside[t % inside.len()];
+                while began.elapsed() < dur {
+                    let t0 = Instant::now();
+                    let held = match row {
+                        W8Row::Semaphore | W8Row::SemaphoreDrop => {
+                            Holding::Guard(sem.acquire().await.expect("permit"))
+                        }
+                        W8Row::PlainLocks => Holding::Guard(lock.acquire().await.expect("acquire")),
+                        W8Row::Floor => Holding::Floor(
+                            floor_sem
+                                .as_ref()
+                                .expect("the floor's row")
+                                .acquire_permit(W8_PERMITS)
+                                .await,
+                        ),
+                    };
+                    lat.push(t0.elapsed());
+                    if slot.fetch_add(1, Ordering::SeqCst) + 1 > limit {
+                        violations.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let n = all_inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    max_inside.fetch_max(n, Ordering::Relaxed);
+                    all_inside.fetch_sub(1, Ordering::SeqCst);
+                    slot.fetch_sub(1, Ordering::SeqCst);
+                    match held {
+                        Holding::Guard(g) if row == W8Row::SemaphoreDrop => drop(g),
+                        Holding::Guard(g) => {
+                            g.release().await.expect("release");
+                        }
+                        Holding::Floor(token) => {
+                            let floor = floor_sem.as_ref().expect("the floor's row");
+                            floor.release_permit(&token).await;
+                        }
+                    }
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let mut per_task = Vec::new();
+    for t in tasks {
+        let mine = t.await.expect("w8 task");
+        per_task.push(mine.len() as u64);
+        lat.extend(mine);
+    }
+    let elapsed = began.elapsed();
+    let cost = cost.per(srv, lat.len() as u64);
+    let wake_after = match floor_sem {
+        Some(floor) => {
+            floor.close().await;
+            None
+        }
+        None => Some(wake_check(&manager, &name).await),
+    };
+    let total = lat.len() as u64;
+    let slow = lat.iter().filter(|l| **l >= SLOW).count();
+    SharedRun {
+        rate: total as f64 / elapsed.as_secs_f64(),
+        p50: stats::quantile(&mut lat, 0.5),
+        p99: stats::quantile(&mut lat, 0.99),
+        max: stats::quantile(&mut lat, 1.0),
+        fairness: (
+            per_task.iter().copied().max().unwrap_or(0),
+            per_task.iter().copied().min().unwrap_or(0),
+        ),
+        max_inside: max_inside.load(Ordering::Relaxed),
+        violations: violations.load(Ordering::SeqCst),
+        acquisitions: total,
+        slow,
+        wake_after,
+        cost,
+        ..SharedRun::default()
+    }
+}
+
+/// The rows of W9: 63 readers and 1 writer on one name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum W9Row {
+    /// `locks.rw(name)`: `read()` and `write()`, explicit release.
+    RwLock,
+    /// One plain lock that readers and the writer all take (`acquire()`), explicit release.
+    Exclusive,
+    /// The hand-written read-write lock on fred (see [`crate::libs::SharedFloor`]).
+    Floor,
+}
+
+impl W9Row {
+    pub fn name(self) -> &'static str {
+        match self {
+            W9Row::RwLock => "redlease rw() (explicit release)",
+            W9Row::Exclusive => "redlease plain lock, reads exclusive too (explicit release)",
+            W9Row::Floor => "floor by hand: fred, sorted set + SET NX + 2 flags + PUBLISH",
+        }
+    }
+}
+
+/// How long W9's reads and writes hold: a 1 ms sleep (1–2 ms by tokio's timer), no CPU.
+pub const W9_SECTION: Duration = Duration::from_millis(1);
+
+/// W9: 64 tasks on one name, one shared client: task 0 writes in a loop, the 63 others read
+/// in a loop, each holding for [`W9_SECTION`], until `dur` has passed.
+pub async fn w9(url: &str, srv: &RedisServer, row: W9Row, dur: Duration) -> SharedRun {
+    const TASKS: usize = 64;
+    let name = format!("w9:{}", rand::random::<u32>());
+    let manager = crate::libs::fresh_manager(url).await;
+    let rw = manager.rw(&name).expect("rw lock");
+    let plain = manager.lock(&name);
+    let floor_rw = if row == W9Row::Floor {
+        Some(
+            crate::libs::SharedFloor::connect(url)
+                .await
+                .watch(&name)
+                .await,
+        )
+    } else {
+        None
+    };
+    let readers = Arc::new(AtomicUsize::new(0));
+    let writing = Arc::new(AtomicBool::new(false));
+    let max_readers = Arc::new(AtomicUsize::new(0));
+    let violations = Arc::new(AtomicUsize::new(0));
+    let cost = Cost::start(srv);
+    let began = Instant::now();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let (rw, plain, floor_rw) = (rw.clone(), plain.clone(), floor_rw.clone());
+            let (readers, writing, max_readers, violations) = (
+                readers.clone(),
+                writing.clone(),
+                max_readers.clone(),
+                violations.clone(),
+            );
+            let writer = t == 0;
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                while began.elapsed() < dur {
+                    let t0 = Instant::now();
+                    let held = match (row, writer) {
+                        (W9Row::RwLock, true) => Holding::Guard(rw.write().await.expect("write")),
+                        (W9Row::RwLock, false) => Holding::Guard(rw.read().await.expect("read")),
+                        (W9Row::Exclusive, _) => {
+                            Holding::Guard(plain.acquire().await.expect("acquire"))
+                        }
+                        (W9Row::Floor, true) => {
+                            Holding::Floor(floor_rw.as_ref().expect("floor").write().await)
+                        }
+                        (W9Row::Floor, false) => {
+                            Holding::Floor(floor_rw.as_ref().expect("floor").read().await)
+                        }
+                    };
+                    lat.push(t0.elapsed());
+                    // Each side announces itself, then looks at the other (so that of two
+                    // overlapping, at least one sees the other).
+                    if writer {
+                        writing.store(true, Ordering::SeqCst);
+                        if readers.load(Ordering::SeqCst) > 0 {
+                            violations.fetch_add(1, Ordering::SeqCst);
+                        }
+                    } else {
+                        let n = readers.fetch_add(1, Ordering::SeqCst) + 1;
+                        max_readers.fetch_max(n, Ordering::Relaxed);
+                        if writing.load(Ordering::SeqCst) || (row == W9Row::Exclusive && n > 1) {
+                            violations.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    tokio::time::sleep(W9_SECTION).await;
+                    if writer {
+                        writing.store(false, Ordering::SeqCst);
+                    } else {
+                        readers.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    match held {
+                        Holding::Guard(g) => {
+                            g.release().await.expect("release");
+                        }
+                        Holding::Floor(token) => {
+                            let floor = floor_rw.as_ref().expect("floor");
+                            if writer {
+                                floor.release_write(&token).await;
+                            } else {
+                                floor.release_read(&token).await;
+                            }
+                        }
+                    }
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut reads = Vec::new();
+    let mut writes = Vec::new();
+    let mut per_reader = Vec::new();
+    for (t, task) in tasks.into_iter().enumerate() {
+        let mine = task.await.expect("w9 task");
+        if t == 0 {
+            writes = mine;
+        } else {
+            per_reader.push(mine.len() as u64);
+            reads.extend(mine);
+        }
+    }
+    let elapsed = began.elapsed().as_secs_f64();
+    let cost = cost.per(srv, (reads.len() + writes.len()) as u64);
+    let wake_after = match floor_rw {
+        Some(floor) => {
+            floor.close().await;
+            None
+        }
+        None => Some(wake_check(&manager, &name).await),
+    };
+    let (r, w) = (reads.len() as u64, writes.len() as u64);
+    let slow = reads.iter().chain(&writes).filter(|l| **l >= SLOW).count();
+    SharedRun {
+        rate: r as f64 / elapsed,
+        writes_rate: w as f64 / elapsed,
+        p50: stats::quantile(&mut reads, 0.5),
+        p99: stats::quantile(&mut reads, 0.99),
+        max: stats::quantile(&mut reads, 1.0),
+        write_p50: stats::quantile(&mut writes, 0.5),
+        write_p99: stats::quantile(&mut writes, 0.99),
+        write_max: stats::quantile(&mut writes, 1.0),
+        fairness: (
+            per_reader.iter().copied().max().unwrap_or(0),
+            per_reader.iter().copied().min().unwrap_or(0),
+        ),
+        max_inside: max_readers.load(Ordering::Relaxed),
+        violations: violations.load(Ordering::SeqCst),
+        acquisitions: r + w,
+        slow,
+        wake_after,
+        cost,
+    }
 }
