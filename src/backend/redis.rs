@@ -121,7 +121,6 @@ struct Scripts {
     reentrant_release: Script,
     reentrant_extend: Script,
     shared_acquire: Script,
-    shared_release: Script,
     shared_extend: Script,
     fenced_set: Script,
     cache_read: Script,
@@ -163,7 +162,6 @@ impl Scripts {
             reentrant_release: leases!("reentrant_release.lua"),
             reentrant_extend: leases!("reentrant_extend.lua"),
             shared_acquire: leases!("shared_acquire.lua"),
-            shared_release: leases!("shared_release.lua"),
             shared_extend: leases!("shared_extend.lua"),
             fenced_set: lua(include_str!("redis/scripts/fenced_set.lua")),
             cache_read: leases!("cache_read.lua"),
@@ -186,7 +184,6 @@ impl Scripts {
             self.reentrant_release.clone(),
             self.reentrant_extend.clone(),
             self.shared_acquire.clone(),
-            self.shared_release.clone(),
             self.shared_extend.clone(),
         ])
     }
@@ -332,12 +329,23 @@ impl Backend for RedisBackend {
             ClaimKind::Reentrant(owner) => {
                 Box::pin(self.reentrant_acquire(claim, owner, attempt, terms)).await?
             }
-            // A quorum's terms do not apply: shared claims are not served over Redlock.
-            ClaimKind::Read => Box::pin(self.shared_acquire(claim, 0, attempt)).await?,
             ClaimKind::Permit(0) => {
                 return Err(Error::invalid("a semaphore needs at least one permit"))
             }
-            ClaimKind::Permit(n) => Box::pin(self.shared_acquire(claim, *n, attempt)).await?,
+            // A quorum's terms do not apply: shared claims are not served over Redlock.
+            ClaimKind::Read | ClaimKind::Permit(_) => {
+                ops::check_shared(&claim.token)?;
+                let permits = match claim.kind {
+                    ClaimKind::Permit(n) => n,
+                    _ => 0,
+                };
+                let op = Op::Shared {
+                    claim: claim.clone(),
+                    permits,
+                    attempt,
+                };
+                ops::acquired(claim, self.op(op).await?)?
+            }
         };
         match acquired {
             // Reported once the replicas have it (with acknowledgement on; boxed, as above).
@@ -372,9 +380,8 @@ impl Backend for RedisBackend {
             ClaimKind::Reentrant(owner) => {
                 return Box::pin(self.reentrant_release(claim, owner, lease)).await
             }
-            ClaimKind::Read | ClaimKind::Permit(_) => {
-                return Box::pin(self.shared_release(claim, lease.is_some())).await
-            }
+            // Released with the plain leases: the script tells them by their token.
+            ClaimKind::Read | ClaimKind::Permit(_) => ops::check_shared(&claim.token)?,
             _ => {}
         }
         let op = Op::Release {

@@ -1,5 +1,7 @@
 //! Acquires and releases: the scripts' arguments and replies, and group commit (concurrent
 //! calls of one kind sent as one script call, see `batch.rs`). Reentrant claims go alone.
+//! Shared holds (reads, permits) have their acquire script, and are released with the
+//! plain leases (`release.lua` tells them by their token).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -18,7 +20,7 @@ use crate::token::{LeaseKey, Owner, Token};
 /// per abandoned attempt.
 pub(super) const TOMBSTONE: Duration = Duration::from_secs(300);
 
-/// One plain or fair acquire attempt, or one release (no tombstone) or abandon (a
+/// One plain, fair or shared acquire attempt, or one release (no tombstone) or abandon (a
 /// tombstone), as queued for a batched script call. Acquires and releases share one queue, so that
 /// they reach the server in the order they were made: a release (or a quorum's clean-up) that
 /// a caller made before its next attempt with the same token can never run after that
@@ -32,6 +34,12 @@ pub(super) enum Op {
     },
     Fair {
         claim: Claim,
+        attempt: Attempt,
+    },
+    /// A read (`permits` 0) or one of `permits` permits.
+    Shared {
+        claim: Claim,
+        permits: u32,
         attempt: Attempt,
     },
     Release {
@@ -53,6 +61,7 @@ pub(super) type Outcome = Result<Reply>;
 pub(super) enum Kind {
     Acquire,
     Fair,
+    Shared,
     Release,
 }
 
@@ -61,13 +70,16 @@ impl Op {
         match self {
             Op::Acquire { .. } => Kind::Acquire,
             Op::Fair { .. } => Kind::Fair,
+            Op::Shared { .. } => Kind::Shared,
             Op::Release { .. } => Kind::Release,
         }
     }
 
     fn key(&self) -> &LeaseKey {
         match self {
-            Op::Acquire { claim, .. } | Op::Fair { claim, .. } => &claim.key,
+            Op::Acquire { claim, .. } | Op::Fair { claim, .. } | Op::Shared { claim, .. } => {
+                &claim.key
+            }
             Op::Release { key, .. } => key,
         }
     }
@@ -148,6 +160,7 @@ impl RedisBackend {
                 let replies = match kind {
                     Kind::Acquire => this.acquire_batch(&taken).await,
                     Kind::Fair => this.fair_batch(&taken).await,
+                    Kind::Shared => this.shared_batch(&taken).await,
                     Kind::Release => this.release_batch(&taken).await,
                 };
                 let replies = replies.and_then(|r| {
@@ -240,6 +253,38 @@ impl RedisBackend {
         }
         let reply: Vec<Value> = self
             .eval(&self.inner.scripts.fair_acquire, self.declared(keys), args)
+            .await?;
+        pairs(reply, ops)
+    }
+
+    /// Shared attempts as one `shared_acquire.lua` call; one `{code, value}` per attempt.
+    async fn shared_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
+        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 6);
+        for op in ops {
+            let Op::Shared {
+                claim,
+                permits,
+                attempt,
+            } = op
+            else {
+                continue;
+            };
+            keys.push(claim.key.as_str().into());
+            // As for plain attempts: the waiters flag outlives the next re-check.
+            let flag = attempt.keep_waiter().map_or(0, ms);
+            let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
+            args.extend([
+                claim.token.as_str().into(),
+                ms(claim.ttl).into(),
+                flag.into(),
+                arriving.into(),
+                i64::from(*permits).into(),
+                claim.token.label().unwrap_or_default().into(),
+            ]);
+        }
+        let reply: Vec<Value> = self
+            .eval(&self.inner.scripts.shared_acquire, self.declared(keys), args)
             .await?;
         pairs(reply, ops)
     }
@@ -382,64 +427,6 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
-    /// One `shared_acquire.lua` call: a read (`permits` 0) or one of `permits` permits (not
-    /// group-committed, as reentrant attempts).
-    pub(super) async fn shared_acquire(
-        &self,
-        claim: &Claim,
-        permits: u32,
-        attempt: Attempt,
-    ) -> Result<Acquire> {
-        check_shared(&claim.token)?;
-        let keys = vec![Key::from(claim.key.as_str())];
-        let flag = attempt.keep_waiter().map_or(0, ms);
-        let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
-        let args: Vec<Value> = vec![
-            claim.token.as_str().into(),
-            ms(claim.ttl).into(),
-            flag.into(),
-            arriving.into(),
-            i64::from(permits).into(),
-            claim.token.label().unwrap_or_default().into(),
-        ];
-        let reply: Vec<i64> = self
-            .eval(
-                &self.inner.scripts.shared_acquire,
-                self.declared(keys),
-                args,
-            )
-            .await?;
-        match reply.as_slice() {
-            [code @ (0 | 1), value] => acquired(claim, (*code, *value)),
-            other => Err(Error::backend(format!(
-                "unexpected reply from the shared acquire script: {other:?}"
-            ))),
-        }
-    }
-
-    /// One `shared_release.lua` call; `confirmed` as in `Release::Confirmed` (`false`:
-    /// abandon).
-    pub(super) async fn shared_release(
-        &self,
-        claim: &Claim,
-        confirmed: bool,
-    ) -> Result<Option<u32>> {
-        check_shared(&claim.token)?;
-        let keys = vec![Key::from(claim.key.as_str())];
-        let tombstone = if confirmed { 0 } else { ms(TOMBSTONE) };
-        let args: Vec<Value> = vec![claim.token.as_str().into(), tombstone.into()];
-        let released: i64 = self
-            .eval(
-                &self.inner.scripts.shared_release,
-                self.declared(keys),
-                args,
-            )
-            .await?;
-        Ok((released == 1).then_some(0))
-    }
-}
-
-impl RedisBackend {
     /// Ends the lease on the lock at `key` whoever holds it, for an operator (`redlease
     /// release --force`), and deletes a reentrant reign's counts; its waiters are woken (a
     /// fair queue's head by name). The lock's record stays with its fencing counter, so the
@@ -512,9 +499,9 @@ fn check_hold(hold: &Token) -> Result<()> {
     }
 }
 
-/// Reads and permits must be [`Token::shared`]s: the extension of a lease is routed by its
-/// token.
-fn check_shared(token: &Token) -> Result<()> {
+/// Reads and permits must be [`Token::shared`]s: their release and extension are routed by
+/// the token.
+pub(super) fn check_shared(token: &Token) -> Result<()> {
     if token.is_shared() {
         Ok(())
     } else {

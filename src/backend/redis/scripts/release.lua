@@ -1,6 +1,8 @@
 -- Release leases, one or many at once (group commit): compare-and-end, and wake waiters if
 -- any are registered: plain waiters by a message on `<key>:released`, the fair queue's head by
 -- its token on `<key>:handoff` (only that waiter acts on it). See end_lease in prelude.lua.
+-- A shared hold (a read, a permit: its token starts with `s`) is taken out of the lock's
+-- shared holds instead (see "Shared holds" in prelude.lua, and release_shared below).
 -- Per lease i (0-based): KEYS[i+1] the lock's key; ARGV[2i+1..2i+2]:
 --   token,
 --   tombstone ms: > 0 when abandoning an attempt whose outcome is unknown; the token is
@@ -17,11 +19,65 @@ local function now()
   now_ms = now_ms or server_clock()
   return now_ms
 end
+-- Gives back the shared hold `token` of `key`. The release that leaves no shared hold ends
+-- the lease and wakes waiters (see end_lease); one that leaves others holding permits wakes
+-- one permit waiter per process while `s` says some wait (a read that others still share
+-- frees nothing anyone waits for). A released hold is kept, for its re-sent release.
+local function release_shared(key, token)
+  local seen = record(key, 't', 'e', 'w', 'q', 's')
+  if not seen then
+    return 0
+  end
+  local t, e = seen[1], seen[2]
+  local shared = key .. ':shared'
+  local score = tonumber(redis.call('ZSCORE', shared, token))
+  if not score then
+    return 0
+  end
+  if score < 0 then
+    -- Released already: a re-sent release.
+    return 1
+  end
+  -- (pcall: a hash of another type beside the set must not keep the hold from being given
+  -- back.)
+  redis.pcall('HDEL', key .. ':sharers', token)
+  if score <= now() or not shared_mode(holding(t, e, now())) then
+    redis.call('ZREM', shared, token)
+    return 0
+  end
+  redis.call('ZADD', shared, int(-(now() + KEPT)), token)
+  drop_dead(key, now())
+  -- The released holds, newest first (the most negative scores): the oldest beyond
+  -- KEPT_MOST go.
+  local gone = redis.call('ZCOUNT', shared, '-inf', '(0')
+  if gone > KEPT_MOST then
+    redis.call('ZREMRANGEBYRANK', shared, KEPT_MOST, gone - 1)
+  end
+  local latest = redis.call('ZREVRANGEBYSCORE', shared, '+inf', '(' .. int(now()), 'WITHSCORES', 'LIMIT', 0, 1)
+  if #latest == 0 then
+    end_lease(key, seen[3], seen[4], now(), nil, seen[5])
+    redis.call('PEXPIRE', shared, KEPT)
+    return 1
+  end
+  if tonumber(latest[2]) < num(e) then
+    redis.call('HSET', key, 'e', latest[2])
+  end
+  if t == PERMITS and (tonumber(seen[5]) or 0) > now() then
+    redis.pcall('PUBLISH', key .. ':released', '1')
+  end
+  return 1
+end
+
 local function release(i)
   local key, token, tombstone = KEYS[i + 1], ARGV[2 * i + 1], tonumber(ARGV[2 * i + 2])
   local wake = false
   if tombstone > 0 then
     bar(key, token, now(), tombstone)
+  end
+  if string.sub(token, 1, 1) == 's' then
+    return release_shared(key, token)
+  end
+  if tombstone > 0 then
     -- A fair waiter that gave up leaves the queue at once; if it was the head, the next one
     -- is woken below rather than after the leaver's deadline.
     if redis.call('ZREM', key .. ':timeouts', token) == 1 then

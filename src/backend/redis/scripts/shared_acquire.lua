@@ -1,12 +1,13 @@
--- Shared acquire: one read of a read-write lock, or one of a semaphore's permits, each a
--- lease of its own (see "Shared holds" in prelude.lua).
--- KEYS[1] the lock's key (its record: see acquire.lua; beside it `<key>:shared` and
--- `<key>:sharers`)
--- ARGV: token (an `s…` token), ttl (ms), waiters-flag ttl (ms; 0 when not waiting), 1 for a
---   waiting acquire's first attempt, permits (the claim's count; 0 for a read, which any
---   number may hold), holder label ('' for none)
--- Returns {1, fencing token} granted (also when a re-sent attempt finds its own hold: it is
--- extended to ttl from now), or {0, ms left}: held by a write or another kind of claim, every
+-- Shared acquire, one or many attempts at once (group commit): a read of a read-write lock,
+-- or one of a semaphore's permits, each a lease of its own (see "Shared holds" in
+-- prelude.lua). Attempts on one key run in the order given.
+-- Per attempt i (0-based): KEYS[i+1] the lock's key (its record: see acquire.lua; beside it
+-- `<key>:shared` and `<key>:sharers`); ARGV[6i+1..6i+6]: token (an `s…` token), ttl (ms),
+-- waiters-flag ttl (ms; 0 when not waiting), 1 for a waiting acquire's first attempt, permits
+-- (the claim's count; 0 for a read, which any number may hold), holder label ('' for none)
+-- Returns per attempt a pair: {1, fencing token} granted (also when a re-sent attempt finds
+-- its own hold: it is extended to ttl from now), {-1, error} when a command of this attempt
+-- failed (see prelude.lua), or {0, ms left}: held by a write or another kind of claim, every
 -- permit taken (ms until the first of them runs out), a writer waiting for a read (writer
 -- preference), or a permit's first attempt yielding to registered waiters; -2 when free.
 --
@@ -16,85 +17,94 @@
 -- a waiting plain claim keeps the record's `v` live (see acquire.lua), and new reads are held
 -- behind it until a writer has had the lock (its grant clears `v`). Waiting shared claims keep `s` live, which makes the
 -- release that frees the lock wake every waiter (see end_lease).
-local key = KEYS[1]
-local token, ttl, flag, arriving = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local permits, label = tonumber(ARGV[5]), ARGV[6]
-local mode = permits > 0 and PERMITS or READ
-local shared, sharers = key .. ':shared', key .. ':sharers'
 local now_ms, clock_us = server_clock()
-local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's')
-local t, e, f, x, a, v, s = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6], seen[7]
-local holder = holding(t, e, now_ms)
-local left = holder and num(e) - now_ms or -2
-if holder == mode then
-  local mine = tonumber(redis.call('ZSCORE', shared, token))
-  if mine and mine > now_ms then
-    -- Ours already: a re-sent attempt.
-    local until_ms = now_ms + ttl
-    redis.call('ZADD', shared, int(until_ms), token)
-    if until_ms > num(e) then
-      stamp(key, 'e', until_ms, x)
-      keep_shared(key, until_ms)
+local function attempt(i)
+  local key = KEYS[i + 1]
+  local token, ttl, flag, arriving = ARGV[6 * i + 1], tonumber(ARGV[6 * i + 2]), ARGV[6 * i + 3], ARGV[6 * i + 4]
+  local permits, label = tonumber(ARGV[6 * i + 5]), ARGV[6 * i + 6]
+  local mode = permits > 0 and PERMITS or READ
+  local shared, sharers = key .. ':shared', key .. ':sharers'
+  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's')
+  local t, e, f, x, a, v, s = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6], seen[7]
+  local holder = holding(t, e, now_ms)
+  local left = holder and num(e) - now_ms or -2
+  if holder == mode then
+    local mine = tonumber(redis.call('ZSCORE', shared, token))
+    if mine and mine > now_ms then
+      -- Ours already: a re-sent attempt.
+      local until_ms = now_ms + ttl
+      redis.call('ZADD', shared, int(until_ms), token)
+      if until_ms > num(e) then
+        stamp(key, 'e', until_ms, x)
+        keep_shared(key, until_ms)
+      end
+      local fence = string.match(redis.call('HGET', sharers, token) or '', '^(%d+)')
+      return 1, tonumber(fence) or num(f) or 0
     end
-    local fence = string.match(redis.call('HGET', sharers, token) or '', '^(%d+)')
-    return {1, tonumber(fence) or num(f) or 0}
   end
-end
-if barred(key, token, a, now_ms) then
-  -- A late copy of an attempt that was given up and cleaned up already.
-  return {0, left}
-end
-local function wait_here()
-  if flag ~= '0' then
-    -- Releases publish (to every waiter) while this flag runs.
-    redis.call('HSET', key, 's', int(now_ms + tonumber(flag)))
+  if barred(key, token, a, now_ms) then
+    -- A late copy of an attempt that was given up and cleaned up already.
+    return 0, left
   end
-end
-if holder and holder ~= mode then
-  wait_here()
-  return {0, left}
-end
-if mode == READ and v and num(v) > now_ms then
-  -- Writer preference: a writer waits, so new reads wait behind it.
-  wait_here()
-  return {0, left}
-end
-if mode == PERMITS and arriving == '1' and s and num(s) > now_ms then
-  -- Others wait for a permit: let them go first (see acquire.lua).
-  return {0, left}
-end
-drop_dead(key, now_ms)
-if mode == PERMITS and holder then
-  local live = redis.call('ZCOUNT', shared, '(' .. int(now_ms), '+inf')
-  if live >= permits then
+  local function wait_here()
+    if flag ~= '0' then
+      -- Releases publish (to every waiter) while this flag runs.
+      redis.call('HSET', key, 's', int(now_ms + tonumber(flag)))
+    end
+  end
+  if holder and holder ~= mode then
     wait_here()
-    local first = redis.call('ZRANGEBYSCORE', shared, '(' .. int(now_ms), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    return {0, math.max(tonumber(first[2] or e) - now_ms, 0)}
+    return 0, left
   end
-end
--- Every command that can fail on a key of another type has run (the record's HMGET, the
--- set's read in drop_dead), but for the hash of fences and labels: it is written first, so
--- that a failure there leaves nothing behind (a script is not rolled back).
-ours(key, x, t, f)
-local until_ms = now_ms + ttl
--- As grant's, with no floor (shared claims are not served over Redlock).
-local fence = math.max((num(f) or 0) + 1, clock_us)
-redis.call('HSET', sharers, token, int(fence) .. ' ' .. label)
-redis.call('ZADD', shared, int(until_ms), token)
-if not holder then
-  grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
-elseif until_ms > num(e) then
-  local at = renewal(x, until_ms)
-  if at then
-    redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
+  if mode == READ and v and num(v) > now_ms then
+    -- Writer preference: a writer waits, so new reads wait behind it.
+    wait_here()
+    return 0, left
+  end
+  if mode == PERMITS and arriving == '1' and s and num(s) > now_ms then
+    -- Others wait for a permit: let them go first (see acquire.lua).
+    return 0, left
+  end
+  drop_dead(key, now_ms)
+  if mode == PERMITS and holder then
+    local live = redis.call('ZCOUNT', shared, '(' .. int(now_ms), '+inf')
+    if live >= permits then
+      wait_here()
+      local first = redis.call('ZRANGEBYSCORE', shared, '(' .. int(now_ms), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      return 0, math.max(tonumber(first[2] or e) - now_ms, 0)
+    end
+  end
+  -- Every command that can fail on a key of another type has run (the record's HMGET, the
+  -- set's read in drop_dead), but for the hash of fences and labels: it is written first, so
+  -- that a failure there leaves nothing behind (a script is not rolled back).
+  ours(key, x, t, f)
+  local until_ms = now_ms + ttl
+  -- As grant's, with no floor (shared claims are not served over Redlock).
+  local fence = math.max((num(f) or 0) + 1, clock_us)
+  redis.call('HSET', sharers, token, int(fence) .. ' ' .. label)
+  redis.call('ZADD', shared, int(until_ms), token)
+  if not holder then
+    grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
+  elseif until_ms > num(e) then
+    local at = renewal(x, until_ms)
+    if at then
+      redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
+    else
+      redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
+    end
+    expire_at(key, at)
   else
-    redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
+    redis.call('HSET', key, 'f', int(fence))
   end
-  expire_at(key, at)
-else
-  redis.call('HSET', key, 'f', int(fence))
+  if not holder or until_ms > num(e) then
+    keep_shared(key, until_ms)
+  end
+  return 1, fence
 end
-if not holder or until_ms > num(e) then
-  keep_shared(key, until_ms)
+
+local out = {}
+-- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
+for i = 0, #ARGV / 6 - 1 do
+  out[2 * i + 1], out[2 * i + 2] = each(attempt, i)
 end
-return {1, fence}
+return out
