@@ -284,7 +284,11 @@ impl RedisBackend {
             ]);
         }
         let reply: Vec<Value> = self
-            .eval(&self.inner.scripts.shared_acquire, self.declared(keys), args)
+            .eval(
+                &self.inner.scripts.shared_acquire,
+                self.declared(keys),
+                args,
+            )
             .await?;
         pairs(reply, ops)
     }
