@@ -653,3 +653,76 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
     let next = hand_over(&cluster.nodes[dst], &key, held, waiter).await;
     next.release().await.expect("release");
 }
+
+/// Semaphores and read-write locks on every shard: a permit waiter in another manager is
+/// woken by a release's shard message, readers held back by a write are all woken by its
+/// release, and inspection counts the shared holds (the fallback re-check is a minute away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphores_and_read_write_locks_on_every_shard() {
+    let cluster = RedisCluster::start(3, 0);
+    let names = cluster.names_per_primary("redlease:", "shared");
+    let rw_names = cluster.names_per_primary("redlease:", "rw");
+    let a = manager(&cluster, patient()).await;
+    let b = manager(&cluster, patient()).await;
+    let within = Duration::from_secs(20);
+    for (name, rw) in names.iter().zip(&rw_names) {
+        // A semaphore of 2, full in one manager: the other's waiter gets the freed permit.
+        let pool = a.semaphore(name, 2).expect("semaphore");
+        let first = pool.acquire().await.expect("permit");
+        let second = pool.acquire().await.expect("permit");
+        let info = pool.inspect().await.expect("inspect").expect("held");
+        assert_eq!(info.shared_holds, Some(2), "{name}");
+        let other = b.semaphore(name, 2).expect("semaphore");
+        assert!(other.try_acquire().await.expect("try").is_none(), "{name}");
+        let waiter = tokio::spawn(async move { other.acquire_timeout(within).await });
+        let key = pool.as_lock().key().as_str().to_owned();
+        let owner = &cluster.nodes[cluster.owner(&key, 0)];
+        assert!(
+            support::wait_for_async(Duration::from_secs(10), || support::field(owner, &key, "s")
+                .is_some())
+            .await,
+            "{name}: the permit waiter registered"
+        );
+        let released = Instant::now();
+        first.release().await.expect("release");
+        let third = waiter.await.expect("task").expect("the permit waiter");
+        assert!(
+            released.elapsed() < Duration::from_secs(5),
+            "{name}: woken by message"
+        );
+        assert!(third.fencing_token() > second.fencing_token(), "{name}");
+        drop((second, third));
+
+        // A write held in one manager; three readers of the other all get in at its release.
+        let write = a.rw(rw).expect("rw").write().await.expect("write");
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let lock = b.rw(rw).expect("rw");
+                tokio::spawn(async move { lock.read_timeout(within).await })
+            })
+            .collect();
+        let key = a.lock(rw).key().as_str().to_owned();
+        let owner = &cluster.nodes[cluster.owner(&key, 0)];
+        assert!(
+            support::wait_for_async(Duration::from_secs(10), || support::field(owner, &key, "s")
+                .is_some())
+            .await,
+            "{rw}: the readers registered"
+        );
+        let write_token = write.fencing_token();
+        let released = Instant::now();
+        write.release().await.expect("release");
+        let mut reads = Vec::new();
+        for r in readers {
+            let read = r.await.expect("task").expect("a reader");
+            assert!(read.fencing_token() > write_token, "{rw}");
+            reads.push(read);
+        }
+        assert!(
+            released.elapsed() < Duration::from_secs(5),
+            "{rw}: woken by message"
+        );
+        let info = b.rw(rw).expect("rw").inspect().await.expect("inspect");
+        assert_eq!(info.and_then(|i| i.shared_holds), Some(3), "{rw}");
+    }
+}
