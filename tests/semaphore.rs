@@ -1448,4 +1448,15 @@ async fn released_permits_kept_for_replays_are_bounded() {
         .await
         .expect("replayed release");
     assert_eq!(replayed, Some(0), "a replayed release of a recent permit");
+    // Nothing beside the lock lives for ever: with no hold left, the set goes within a
+    // minute, the hash with the record.
+    let ttl = |k: &str| srv.cmd(&["PTTL", k]).as_int().unwrap_or(-3);
+    let set = ttl("redlease:{busy}:shared");
+    assert!(set > 0 && set <= 60_000, "the set's PTTL: {set}");
+    let record = ttl("redlease:{busy}");
+    let hash = ttl("redlease:{busy}:sharers");
+    assert!(
+        hash == -2 || (hash > 0 && hash <= record),
+        "the hash's PTTL {hash}, the record's {record}"
+    );
 }

@@ -290,11 +290,12 @@ end
 -- token and label in the hash `<key>:sharers` (token -> 'fence label'). While any runs, the
 -- record's `t` is the mode's marker (READ or PERMITS: no token equals either) and its `e` the
 -- latest expiry among them, so every other kind of claim sees the lock held, with no change
--- to its script; a read and a permit on one name exclude each other the same way. A released
--- hold stays in the set for KEPT ms with a negative score (minus the time it is kept until),
--- so that its release, re-sent after a reconnect, is still answered "released"; only the
--- last KEPT_MOST of them, so that a busy name (thousands of releases a second) keeps a
--- bounded set.
+-- to its script; a read and a permit on one name exclude each other the same way. The set
+-- and the hash expire with the record (its `x`: set when a time of shared holds begins, and
+-- again whenever the record's hour is renewed). A released hold stays in the set with a
+-- negative score (minus the time of its release), so that its release, re-sent after a
+-- reconnect, is still answered "released": the last KEPT_MOST of them, and for KEPT ms once
+-- no hold is left (a busy name, thousands of releases a second, keeps a bounded set).
 local READ, PERMITS = '*r', '*p'
 local KEPT, KEPT_MOST = 60000, 1000
 
@@ -303,22 +304,24 @@ local function shared_mode(t)
   return t == READ or t == PERMITS
 end
 
--- Drops `key`'s shared holds that ran out by `now_ms` (their fences and labels too), and the
--- released ones kept longer than KEPT. Returns the set's name.
+-- Drops `key`'s shared holds that ran out by `now_ms`, with their fences and labels: one
+-- ZRANGEBYSCORE when none did. Returns the set's name.
 local function drop_dead(key, now_ms)
   local shared = key .. ':shared'
   local dead = redis.call('ZRANGEBYSCORE', shared, 0, now_ms)
-  for i = 1, #dead, 500 do
-    -- (pcall: a hash of another type there must not fail a release; an acquire finds it out
-    -- when it writes its own entry.)
-    redis.pcall('HDEL', key .. ':sharers', unpack(dead, i, math.min(i + 499, #dead)))
+  if #dead > 0 then
+    for i = 1, #dead, 500 do
+      -- (pcall: a hash of another type there must not fail a release; an acquire finds it
+      -- out when it writes its own entry.)
+      redis.pcall('HDEL', key .. ':sharers', unpack(dead, i, math.min(i + 499, #dead)))
+    end
+    redis.call('ZREMRANGEBYSCORE', shared, 0, now_ms)
   end
-  redis.call('ZREMRANGEBYSCORE', shared, '(' .. int(-now_ms), now_ms)
   return shared
 end
 
--- Keeps the set and hash of `key`'s shared holds until `until_ms` (the record's `e`).
-local function keep_shared(key, until_ms)
-  redis.call('PEXPIREAT', key .. ':shared', int(until_ms))
-  redis.call('PEXPIREAT', key .. ':sharers', int(until_ms))
+-- Keeps the set and hash of `key`'s shared holds until `at` (server ms; the record's `x`).
+local function keep_shared(key, at)
+  redis.call('PEXPIREAT', key .. ':shared', int(at))
+  redis.call('PEXPIREAT', key .. ':sharers', int(at))
 end

@@ -45,7 +45,7 @@ local function release_shared(key, token)
     redis.call('ZREM', shared, token)
     return 0
   end
-  redis.call('ZADD', shared, int(-(now() + KEPT)), token)
+  redis.call('ZADD', shared, int(-now()), token)
   drop_dead(key, now())
   -- The released holds, newest first (the most negative scores): the oldest beyond
   -- KEPT_MOST go.

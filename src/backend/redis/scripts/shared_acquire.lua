@@ -35,8 +35,11 @@ local function attempt(i)
       local until_ms = now_ms + ttl
       redis.call('ZADD', shared, int(until_ms), token)
       if until_ms > num(e) then
+        local at = renewal(x, until_ms)
         stamp(key, 'e', until_ms, x)
-        keep_shared(key, until_ms)
+        if at then
+          keep_shared(key, at)
+        end
       end
       local fence = string.match(redis.call('HGET', sharers, token) or '', '^(%d+)')
       return 1, tonumber(fence) or num(f) or 0
@@ -84,20 +87,21 @@ local function attempt(i)
   redis.call('HSET', sharers, token, int(fence) .. ' ' .. label)
   redis.call('ZADD', shared, int(until_ms), token)
   if not holder then
+    -- A time of shared holds begins: the set and hash live as the record does.
+    local at = renewal(x, until_ms)
     grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
+    keep_shared(key, at or num(x))
   elseif until_ms > num(e) then
     local at = renewal(x, until_ms)
     if at then
       redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
+      expire_at(key, at)
+      keep_shared(key, at)
     else
       redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
     end
-    expire_at(key, at)
   else
     redis.call('HSET', key, 'f', int(fence))
-  end
-  if not holder or until_ms > num(e) then
-    keep_shared(key, until_ms)
   end
   return 1, fence
 end

@@ -1,6 +1,7 @@
 -- Extend shared holds (reads, permits: see "Shared holds" in prelude.lua): each hold runs for
 -- its new TTL from now, only while it is live and the record is held in a shared mode; the
--- record's `e` (the latest of them) and the holds' set and hash follow when it grows.
+-- record's `e` (the latest of them) follows when it grows, and the holds' set and hash when
+-- the record's hour is renewed.
 -- Arguments and answers: see `extensions` in prelude.lua (the token is the hold's).
 return extensions(function(key, token, ttl, now_ms)
   local seen = record(key, 't', 'e', 'x')
@@ -15,8 +16,11 @@ return extensions(function(key, token, ttl, now_ms)
   local until_ms = now_ms + ttl
   redis.call('ZADD', shared, int(until_ms), token)
   if until_ms > num(seen[2]) then
+    local at = renewal(seen[3], until_ms)
     stamp(key, 'e', until_ms, seen[3])
-    keep_shared(key, until_ms)
+    if at then
+      keep_shared(key, at)
+    end
   end
   return 1
 end)
