@@ -15,24 +15,15 @@ use redlease::{
     Error, LockGuard, LockManager, LockOptions, MemoryBackend, MultiGuard, MultiLock, RedisBackend,
     RedisOptions, RetryPolicy,
 };
-use support::{wait_for_async, Checker, RedisCluster, RedisServer};
+use support::{wait_for_async, within, Checker, RedisCluster, RedisServer, SOON};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
-/// Generous bound for things that must happen "soon": failing it means a hang, not slowness.
-const SOON: Duration = Duration::from_secs(10);
-
 /// The wait of each multi-lock acquire in the no-deadlock runs: it never fires unless the
 /// callers deadlock (each critical section lasts a few yields).
 const NEVER: Duration = Duration::from_secs(10);
-
-async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
-    tokio::time::timeout(SOON, fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {SOON:?}"))
-}
 
 async fn connect(srv: &RedisServer) -> RedisBackend {
     RedisBackend::connect_with(&srv.url(), RedisOptions::new().command_timeout(ms(500)))

@@ -22,7 +22,7 @@ use redlease::{
     Backend, Error, LockGuard, LockManager, LockOptions, MemoryBackend, Owner, RedisBackend,
     RedisOptions, Redlock, RedlockOptions, RetryPolicy, RwLock, Token,
 };
-use support::{wait_for_async, RedisServer, SharedChecker};
+use support::{wait_for_async, within, RedisServer, SharedChecker, Store, SOON};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -32,60 +32,13 @@ fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
-/// Generous bound for things that must happen "soon": failing it means a hang, not slowness.
-const SOON: Duration = Duration::from_secs(10);
-
-async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
-    tokio::time::timeout(SOON, fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {SOON:?}"))
-}
-
 fn redis_opts() -> RedisOptions {
     RedisOptions::new()
         .command_timeout(ms(500))
         .connect_timeout(secs(2))
 }
 
-/// Where the leases live; on Redis each manager has its own connections, as separate
-/// processes would.
-enum Store {
-    Memory(MemoryBackend),
-    Redis(RedisServer),
-}
-
 impl Store {
-    fn memory() -> Self {
-        Store::Memory(MemoryBackend::new())
-    }
-
-    fn redis() -> Self {
-        Store::Redis(RedisServer::start())
-    }
-
-    fn server(&self) -> Option<&RedisServer> {
-        match self {
-            Store::Memory(_) => None,
-            Store::Redis(srv) => Some(srv),
-        }
-    }
-
-    async fn backend(&self) -> Arc<dyn Backend> {
-        match self {
-            Store::Memory(m) => Arc::new(m.clone()),
-            Store::Redis(srv) => Arc::new(
-                RedisBackend::connect_with(&srv.url(), redis_opts())
-                    .await
-                    .unwrap_or_else(|e| panic!("connect to {}: {e}", srv.url())),
-            ),
-        }
-    }
-
-    /// A manager of its own (on Redis: its own connections, as another process).
-    async fn manager(&self, options: LockOptions) -> LockManager {
-        LockManager::with_options(self.backend().await, options).expect("valid options")
-    }
-
     /// Whether the record of `rw` says a writer waits now (its `v` flag runs, by the server's
     /// clock). In memory there is nothing to read: `true` (the callers start the writer with
     /// [`start`], whose first poll has made its attempts there).

@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redlease::{
-    Backend, Error, LeaseKey, LockGuard, LockManager, LockOptions, MemoryBackend, Owner,
-    RedisBackend, RedisOptions, Redlock, RedlockOptions, RetryPolicy, Semaphore,
+    Backend, Error, LeaseKey, LockGuard, LockManager, LockOptions, Owner, RedisBackend, Redlock,
+    RedlockOptions, RetryPolicy, Semaphore,
 };
-use support::{wait_for_async, RedisServer, SharedChecker};
+use support::{wait_for_async, within, RedisServer, SharedChecker, Store, SOON};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -30,54 +30,6 @@ fn ms(n: u64) -> Duration {
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
-}
-
-/// Generous bound for things that must happen "soon": failing it means a hang, not slowness.
-const SOON: Duration = Duration::from_secs(10);
-
-async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
-    tokio::time::timeout(SOON, fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {SOON:?}"))
-}
-
-/// Where the leases live. On Redis each manager has its own connections, as separate
-/// processes would; in memory the managers share one store.
-enum Store {
-    Memory(MemoryBackend),
-    Redis(Arc<RedisServer>),
-}
-
-impl Store {
-    fn memory() -> Self {
-        Store::Memory(MemoryBackend::new())
-    }
-
-    fn redis() -> Self {
-        Store::Redis(Arc::new(RedisServer::start()))
-    }
-
-    async fn backend(&self) -> Arc<dyn Backend> {
-        match self {
-            Store::Memory(m) => Arc::new(m.clone()),
-            Store::Redis(srv) => {
-                let opts = RedisOptions::new().command_timeout(ms(500));
-                Arc::new(RedisBackend::connect_with(&srv.url(), opts).await.unwrap())
-            }
-        }
-    }
-
-    /// A manager of its own (own backend connection, own watchdog).
-    async fn manager(&self, options: LockOptions) -> LockManager {
-        LockManager::with_options(self.backend().await, options).unwrap()
-    }
-
-    fn server(&self) -> Option<&Arc<RedisServer>> {
-        match self {
-            Store::Memory(_) => None,
-            Store::Redis(srv) => Some(srv),
-        }
-    }
 }
 
 /// Long TTL (a permit never runs out within a test unless forgotten) and a fallback re-check

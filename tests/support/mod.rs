@@ -6,6 +6,7 @@
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
 //! * [`SharedChecker`]: at most N permit holders, a writer alone, writers' tokens above all.
+//! * [`Store`]: a test's leases in memory or on a server it started; [`within`] [`SOON`].
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
 //! * [`PlainOnly`]: a backend that serves plain claims only.
 //! * [`holder`] / [`lease_ms`] / [`field`]: a lock's record on a test server.
@@ -21,6 +22,7 @@ mod record;
 mod sentinel;
 mod server;
 mod shared_checker;
+mod store;
 mod wait;
 
 pub use checker::{Checker, Section};
@@ -30,6 +32,7 @@ pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEA
 pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
 pub use shared_checker::{SharedChecker, SharedSection};
+pub use store::{within, Store, SOON};
 pub use wait::wait_for_interval;
 
 use std::future::Future;
