@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fred::interfaces::ClientLike;
+use fred::types::scripts::Script;
 use fred::types::{Key, Value};
 
 use super::keys::ms;
@@ -198,99 +199,105 @@ impl RedisBackend {
             .collect())
     }
 
-    /// Plain attempts as one `acquire.lua` call; one `{code, value}` per attempt, in order.
-    async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
+    /// Attempts as one call of `script`: each operation that `entry` reads gives its key and
+    /// its arguments (`width` of them); one `{code, value}` per attempt, in order.
+    async fn attempts<I: IntoIterator<Item = Value>>(
+        &self,
+        script: &Script,
+        ops: &[Op],
+        width: usize,
+        entry: impl Fn(&Op) -> Option<(&Claim, I)>,
+    ) -> Result<Vec<Outcome>> {
         let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 7);
-        for op in ops {
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * width);
+        for (claim, values) in ops.iter().filter_map(entry) {
+            keys.push(claim.key.as_str().into());
+            args.extend(values);
+        }
+        let reply: Vec<Value> = self.eval(script, self.declared(keys), args).await?;
+        pairs(reply, ops)
+    }
+
+    /// Plain attempts as one `acquire.lua` call.
+    async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
+        self.attempts(&self.inner.scripts.acquire, ops, 7, |op| {
             let Op::Acquire {
                 claim,
                 attempt,
                 terms,
             } = op
             else {
-                continue;
+                return None;
             };
-            keys.push(claim.key.as_str().into());
             // The waiters flag outlives the waiter's next re-check, so a release in between
             // still publishes.
             let flag = attempt.keep_waiter().map_or(0, ms);
             let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
-            args.extend([
-                claim.token.as_str().into(),
-                ms(claim.ttl).into(),
-                flag.into(),
-                arriving.into(),
-                // Lua numbers are doubles: exact up to 2^53, far above any token.
-                terms.fence_floor.to_string().into(),
-                ms(terms.min_uptime).into(),
-                claim.token.label().unwrap_or_default().into(),
-            ]);
-        }
-        let reply: Vec<Value> = self
-            .eval(&self.inner.scripts.acquire, self.declared(keys), args)
-            .await?;
-        pairs(reply, ops)
+            Some((
+                claim,
+                [
+                    claim.token.as_str().into(),
+                    ms(claim.ttl).into(),
+                    flag.into(),
+                    arriving.into(),
+                    // Lua numbers are doubles: exact up to 2^53, far above any token.
+                    terms.fence_floor.to_string().into(),
+                    ms(terms.min_uptime).into(),
+                    claim.token.label().unwrap_or_default().into(),
+                ],
+            ))
+        })
+        .await
     }
 
-    /// Fair attempts as one `fair_acquire.lua` call; one `{code, value}` per attempt.
+    /// Fair attempts as one `fair_acquire.lua` call.
     async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 4);
-        for op in ops {
+        self.attempts(&self.inner.scripts.fair_acquire, ops, 4, |op| {
             let Op::Fair { claim, attempt } = op else {
-                continue;
+                return None;
             };
-            keys.push(claim.key.as_str().into());
             // At least 1 ms for a waiter: 0 means a single attempt.
             let expire = attempt.keep_waiter().map_or(0, |e| ms(e).max(1));
-            args.extend([
-                claim.token.as_str().into(),
-                ms(claim.ttl).into(),
-                expire.into(),
-                claim.token.label().unwrap_or_default().into(),
-            ]);
-        }
-        let reply: Vec<Value> = self
-            .eval(&self.inner.scripts.fair_acquire, self.declared(keys), args)
-            .await?;
-        pairs(reply, ops)
+            Some((
+                claim,
+                [
+                    claim.token.as_str().into(),
+                    ms(claim.ttl).into(),
+                    expire.into(),
+                    claim.token.label().unwrap_or_default().into(),
+                ],
+            ))
+        })
+        .await
     }
 
-    /// Shared attempts as one `shared_acquire.lua` call; one `{code, value}` per attempt.
+    /// Shared attempts (reads, permits) as one `shared_acquire.lua` call.
     async fn shared_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 6);
-        for op in ops {
+        self.attempts(&self.inner.scripts.shared_acquire, ops, 6, |op| {
             let Op::Shared {
                 claim,
                 permits,
                 attempt,
             } = op
             else {
-                continue;
+                return None;
             };
-            keys.push(claim.key.as_str().into());
             // As for plain attempts: the waiters flag outlives the next re-check.
             let flag = attempt.keep_waiter().map_or(0, ms);
             let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
-            args.extend([
-                claim.token.as_str().into(),
-                ms(claim.ttl).into(),
-                flag.into(),
-                arriving.into(),
-                i64::from(*permits).into(),
-                claim.token.label().unwrap_or_default().into(),
-            ]);
-        }
-        let reply: Vec<Value> = self
-            .eval(
-                &self.inner.scripts.shared_acquire,
-                self.declared(keys),
-                args,
-            )
-            .await?;
-        pairs(reply, ops)
+            Some((
+                claim,
+                [
+                    claim.token.as_str().into(),
+                    ms(claim.ttl).into(),
+                    flag.into(),
+                    arriving.into(),
+                    i64::from(*permits).into(),
+                    claim.token.label().unwrap_or_default().into(),
+                ],
+            ))
+        })
+        .await
     }
 
     /// Releases and abandons as one `release.lua` call; one `{1|0, 0}` (or the error of its
