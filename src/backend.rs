@@ -121,6 +121,39 @@ impl Claim {
         self
     }
 
+    /// Refuses a token of the wrong make for the claim's kind, with [`Error::InvalidConfig`]:
+    /// a store tells a lease's kind by its token when it extends or releases it, so a
+    /// reentrant hold's must come from [`Token::hold`], a read's or a permit's from
+    /// [`Token::shared`], and a plain or fair claim's from neither.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redlease::backend::{Claim, ClaimKind};
+    /// use redlease::{LeaseKey, Token};
+    /// let key = LeaseKey::new("t:", "pool");
+    /// let permit = Claim::new(key.clone(), Token::shared(), Duration::from_secs(5));
+    /// assert!(permit.clone().kind(ClaimKind::Permit(2)).check_token().is_ok());
+    /// assert!(permit.check_token().is_err()); // a plain claim with a permit's token
+    /// ```
+    pub fn check_token(&self) -> Result<()> {
+        let (hold, shared) = (self.token.is_hold(), self.token.is_shared());
+        let wanted = match self.kind {
+            ClaimKind::Reentrant(_) if !hold => {
+                "a reentrant hold's token must come from Token::hold"
+            }
+            ClaimKind::Read | ClaimKind::Permit(_) if !shared => {
+                "a read's or a permit's token must come from Token::shared"
+            }
+            ClaimKind::Plain | ClaimKind::Fair if hold || shared => {
+                "a plain or fair claim's token must not come from Token::hold or Token::shared"
+            }
+            _ => return Ok(()),
+        };
+        Err(Error::invalid(format!(
+            "{wanted} (a store tells a lease's kind by its token when it extends or releases it)"
+        )))
+    }
+
     /// The lease this claim keeps alive once granted, with the TTL asked for.
     pub fn lease<'a>(&'a self, token: &'a Token) -> Lease<'a> {
         Lease {

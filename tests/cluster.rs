@@ -323,11 +323,17 @@ async fn with_replica_acknowledgement_a_grant_outlives_its_primarys_failover() {
     let mut answered = false;
     for _ in 0..100 {
         match other.lock(&names[0]).try_acquire().await {
-            Ok(Some(g)) => panic!(
+            // Granted within the first holder's validity: two holders. (After it, on a slow
+            // machine whose failover outlasted the TTL, the grant is the lease running out.)
+            Ok(Some(g)) if std::time::Instant::now() < guards[0].valid_until() => panic!(
                 "a second holder (token {}) while the first holds {}",
                 g.fencing_token(),
                 guards[0].fencing_token()
             ),
+            Ok(Some(_)) => {
+                answered = true;
+                break;
+            }
             Ok(None) => {
                 answered = true;
                 break;

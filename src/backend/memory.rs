@@ -298,6 +298,7 @@ impl Backend for MemoryBackend {
     }
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
+        claim.check_token()?;
         let now = Instant::now();
         let mut st = self.state();
         st.sweep(now);

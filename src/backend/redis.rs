@@ -298,6 +298,7 @@ impl Backend for RedisBackend {
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         keys::check_ttl(claim.ttl)?;
+        claim.check_token()?;
         on_shard!(self, claim.key.as_str(), |node| node
             .acquire(claim, attempt, terms));
         self.inner.policy.check()?;
@@ -334,7 +335,6 @@ impl Backend for RedisBackend {
             }
             // A quorum's terms do not apply: shared claims are not served over Redlock.
             ClaimKind::Read | ClaimKind::Permit(_) => {
-                ops::check_shared(&claim.token)?;
                 let permits = match claim.kind {
                     ClaimKind::Permit(n) => n,
                     _ => 0,
@@ -370,19 +370,16 @@ impl Backend for RedisBackend {
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
+        claim.check_token()?;
         on_shard!(self, claim.key.as_str(), |node| node.release(claim, how));
         let lease = match how {
             Release::Confirmed { lease } => Some(lease),
             Release::Abandon => None,
         };
-        match &claim.kind {
-            // Boxed, as in `acquire`.
-            ClaimKind::Reentrant(owner) => {
-                return Box::pin(self.reentrant_release(claim, owner, lease)).await
-            }
-            // Released with the plain leases: the script tells them by their token.
-            ClaimKind::Read | ClaimKind::Permit(_) => ops::check_shared(&claim.token)?,
-            _ => {}
+        // Boxed, as in `acquire`. (Shared holds are released with the plain leases: the
+        // script tells them by their token.)
+        if let ClaimKind::Reentrant(owner) = &claim.kind {
+            return Box::pin(self.reentrant_release(claim, owner, lease)).await;
         }
         let op = Op::Release {
             key: claim.key.clone(),

@@ -65,10 +65,20 @@ impl Lock {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for an empty name, or a fair or reentrant lock;
-    /// [`Error::Unsupported`] if the store cannot serve read-write locks
+    /// [`Error::InvalidConfig`] for an empty name, a fair or reentrant lock, or a polling
+    /// [`RetryPolicy`](crate::RetryPolicy) (its waiters make single attempts that register
+    /// nothing, so a waiting writer could not hold new readers back); [`Error::Unsupported`]
+    /// if the store cannot serve read-write locks
     /// ([`Redlock`](crate::Redlock)).
     pub fn rw(&self) -> Result<RwLock> {
+        if !self.options.retry.notify {
+            // A polling waiter makes single attempts, which register nothing with the store:
+            // a writer could not make new readers wait, and a stream of them would starve it.
+            return Err(Error::invalid(
+                "a read-write lock's waiters register with the store (writer preference): \
+                 use RetryPolicy::notify() for it, not polling",
+            ));
+        }
         let read = self.shared_kind(ClaimKind::Read, "a read-write lock")?;
         let write = Lock {
             kind: ClaimKind::Plain,
@@ -171,7 +181,9 @@ impl Semaphore {
 
 /// Many readers or one writer of one name, across processes, with **writer preference**:
 /// once a writer waits, new readers wait behind it, so a steady stream of readers cannot
-/// starve it (its wait is bounded by the reads already inside).
+/// starve it (its wait is bounded by the reads already inside). When one of several waiting
+/// writers gets the lock, the others say again that they wait at their next attempt (at the
+/// latest their fallback re-check); a read may get in before that.
 ///
 /// Every read and the write are [`LockGuard`]s with the usual lease machinery. Each read is
 /// a lease of its own: a reader that dies loses only its own read, which runs out by its TTL;

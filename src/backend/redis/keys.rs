@@ -15,7 +15,7 @@
 //! | `p{name}:handoff` | channel | a release hands the lock to the queue's head: its token |
 //! | `p{name}:owners` | hash | reentrant: {owner: hold count} of the reign holding the lease |
 //! | `p{name}:holds` | hash | reentrant: the reign's live holds {hold token: 1}, plus `owner`, `token` (the lease token) and `fence` |
-//! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; the last 1,000 released holds with a negative score (minus the release's time), for a re-sent release (see `prelude.lua`); expires with the record |
+//! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; the last 1,000 released holds with a negative score (minus the release's time), for a re-sent release (see `prelude.lua`); lives until the record's `z` |
 //! | `p{name}:sharers` | hash | the shared holds' {hold token: `'<fencing token> <label>'`} |
 //! | `p{name}:value` | hash | the cache: `v` payload, `d` compute time (µs), `g` grace (ms), `r` the round that wrote it |
 //! | `p{name}:filled` | channel | the cache: a value was written, or a round failed |
@@ -35,6 +35,7 @@
 //! | `w` | until when (server ms) plain waiters want a message on release |
 //! | `v` | until when (server ms) a plain claim (a read-write lock's writer) waits: new reads wait behind it; `0` once a plain claim is granted |
 //! | `s` | until when (server ms) shared waiters (reads, permits) want a message on release |
+//! | `z` | until when (server ms) `:shared` and `:sharers` live: an hour past the latest shared hold, renewed when half of it is gone |
 //! | `q` | until when (server ms) the fair queue may hold waiters |
 //! | `a` | until when (server ms) some token is barred (look in `:abandoned`) |
 //! | `x` | until when (server ms) the record itself lives: an hour past the lease, renewed when half of it is gone |

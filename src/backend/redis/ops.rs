@@ -359,7 +359,6 @@ impl RedisBackend {
         terms: NodeTerms,
     ) -> Result<Acquire> {
         let (key, hold) = (&claim.key, &claim.token);
-        check_hold(hold)?;
         let keys = vec![Key::from(key.as_str())];
         // As for plain attempts: the waiters flag outlives the next re-check.
         let flag = attempt.keep_waiter().map_or(0, ms);
@@ -411,7 +410,6 @@ impl RedisBackend {
         lease: Option<&Token>,
     ) -> Result<Option<u32>> {
         let (key, hold) = (&claim.key, &claim.token);
-        check_hold(hold)?;
         let keys = vec![Key::from(key.as_str())];
         let tombstone = if lease.is_some() { 0 } else { ms(TOMBSTONE) };
         let args: Vec<Value> = vec![
@@ -495,30 +493,6 @@ fn failed(op: &Op, text: &Value) -> Error {
         Error::backend(crate::backend::Unavailable(what))
     } else {
         Error::backend(Refused(what))
-    }
-}
-
-/// Reentrant holds must be [`Token::hold`]s: the lease token of a reign is its first hold,
-/// and the extension of a lease is routed by it.
-fn check_hold(hold: &Token) -> Result<()> {
-    if hold.is_hold() {
-        Ok(())
-    } else {
-        Err(Error::invalid(
-            "a reentrant hold must be made by Token::hold (its lease is extended with the reign)",
-        ))
-    }
-}
-
-/// Reads and permits must be [`Token::shared`]s: their release and extension are routed by
-/// the token.
-pub(super) fn check_shared(token: &Token) -> Result<()> {
-    if token.is_shared() {
-        Ok(())
-    } else {
-        Err(Error::invalid(
-            "a read or a permit must be made by Token::shared (its lease is extended as one)",
-        ))
     }
 }
 

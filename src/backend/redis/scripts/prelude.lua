@@ -291,8 +291,8 @@ end
 -- record's `t` is the mode's marker (READ or PERMITS: no token equals either) and its `e` the
 -- latest expiry among them, so every other kind of claim sees the lock held, with no change
 -- to its script; a read and a permit on one name exclude each other the same way. The set
--- and the hash expire with the record (its `x`: set when a time of shared holds begins, and
--- again whenever the record's hour is renewed). A released hold stays in the set with a
+-- and the hash live an hour past the latest hold, renewed when half of it is gone (the
+-- record's `z` says until when: see keep_shared). A released hold stays in the set with a
 -- negative score (minus the time of its release), so that its release, re-sent after a
 -- reconnect, is still answered "released": the last KEPT_MOST of them, and for KEPT ms once
 -- no hold is left (a busy name, thousands of releases a second, keeps a bounded set).
@@ -320,8 +320,16 @@ local function drop_dead(key, now_ms)
   return shared
 end
 
--- Keeps the set and hash of `key`'s shared holds until `at` (server ms; the record's `x`).
-local function keep_shared(key, at)
-  redis.call('PEXPIREAT', key .. ':shared', int(at))
-  redis.call('PEXPIREAT', key .. ':sharers', int(at))
+-- Keeps the set and hash of `key`'s shared holds alive past `until_ms` (a hold's expiry),
+-- as `renewal` keeps the record: `z` (the record's field, read by the caller; nil to set it
+-- anew) says until when they live, and when less than half an hour is left past `until_ms`
+-- they are given an hour past it. One PEXPIREAT each per half hour of a time of shared
+-- holds, whatever renews the record's own `x` in between.
+local function keep_shared(key, until_ms, z)
+  local at = renewal(z, until_ms)
+  if at then
+    redis.call('PEXPIREAT', key .. ':shared', int(at))
+    redis.call('PEXPIREAT', key .. ':sharers', int(at))
+    redis.call('HSET', key, 'z', int(at))
+  end
 end

@@ -24,8 +24,8 @@ local function attempt(i)
   local permits, label = tonumber(ARGV[6 * i + 5]), ARGV[6 * i + 6]
   local mode = permits > 0 and PERMITS or READ
   local shared, sharers = key .. ':shared', key .. ':sharers'
-  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's')
-  local t, e, f, x, a, v, s = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6], seen[7]
+  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's', 'z')
+  local t, e, f, x, a, v, s, z = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6], seen[7], seen[8]
   local holder = holding(t, e, now_ms)
   local left = holder and num(e) - now_ms or -2
   if holder == mode then
@@ -35,12 +35,9 @@ local function attempt(i)
       local until_ms = now_ms + ttl
       redis.call('ZADD', shared, int(until_ms), token)
       if until_ms > num(e) then
-        local at = renewal(x, until_ms)
         stamp(key, 'e', until_ms, x)
-        if at then
-          keep_shared(key, at)
-        end
       end
+      keep_shared(key, until_ms, z)
       local fence = string.match(redis.call('HGET', sharers, token) or '', '^(%d+)')
       return 1, tonumber(fence) or num(f) or 0
     end
@@ -87,21 +84,22 @@ local function attempt(i)
   redis.call('HSET', sharers, token, int(fence) .. ' ' .. label)
   redis.call('ZADD', shared, int(until_ms), token)
   if not holder then
-    -- A time of shared holds begins: the set and hash live as the record does.
-    local at = renewal(x, until_ms)
     grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
-    keep_shared(key, at or num(x))
-  elseif until_ms > num(e) then
-    local at = renewal(x, until_ms)
-    if at then
-      redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
-      expire_at(key, at)
-      keep_shared(key, at)
-    else
-      redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
-    end
+    -- A time of shared holds begins: the set and hash are given their hour anew.
+    keep_shared(key, until_ms, nil)
   else
-    redis.call('HSET', key, 'f', int(fence))
+    if until_ms > num(e) then
+      local at = renewal(x, until_ms)
+      if at then
+        redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms), 'x', int(at))
+        expire_at(key, at)
+      else
+        redis.call('HSET', key, 'f', int(fence), 'e', int(until_ms))
+      end
+    else
+      redis.call('HSET', key, 'f', int(fence))
+    end
+    keep_shared(key, until_ms, z)
   end
   return 1, fence
 end
