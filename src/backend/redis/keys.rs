@@ -15,7 +15,7 @@
 //! | `p{name}:handoff` | channel | a release hands the lock to the queue's head: its token |
 //! | `p{name}:owners` | hash | reentrant: {owner: hold count} of the reign holding the lease |
 //! | `p{name}:holds` | hash | reentrant: the reign's live holds {hold token: 1}, plus `owner`, `token` (the lease token) and `fence` |
-//! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; the last 1,000 released holds with a negative score (minus the release's time), for a re-sent release (see `prelude.lua`); lives until the record's `z` |
+//! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; the last 1,000 released holds (and, on a name with shared holds in its hour, released exclusive leases) with a negative score (minus the release's time), for a re-sent release (see `prelude.lua`); lives until the record's `z` |
 //! | `p{name}:sharers` | hash | the shared holds' {hold token: `'<fencing token> <label>'`} |
 //! | `p{name}:value` | hash | the cache: `v` payload, `d` compute time (µs), `g` grace (ms), `r` the round that wrote it |
 //! | `p{name}:filled` | channel | the cache: a value was written, or a round failed |

@@ -19,6 +19,20 @@ local function now()
   now_ms = now_ms or server_clock()
   return now_ms
 end
+-- Keeps `token`'s release in `key`'s set of shared holds (a negative score: minus the time
+-- of its release), so that the release, re-sent after a reconnect, is answered "released":
+-- the last KEPT_MOST of them, the oldest beyond that going (newest first: the most negative
+-- scores). Shared holds, and exclusive ones on a name that has shared holds in its hour
+-- (a read-write lock's writes: the record keeps only one released token, `r`).
+local function keep_released(key, token)
+  local shared = key .. ':shared'
+  redis.call('ZADD', shared, int(-now()), token)
+  local gone = redis.call('ZCOUNT', shared, '-inf', '(0')
+  if gone > KEPT_MOST then
+    redis.call('ZREMRANGEBYRANK', shared, KEPT_MOST, gone - 1)
+  end
+end
+
 -- Gives back the shared hold `token` of `key`. The release that leaves no shared hold ends
 -- the lease and wakes waiters (see end_lease); one that leaves others holding permits wakes
 -- one permit waiter per process while `s` says some wait (a read that others still share
@@ -45,14 +59,8 @@ local function release_shared(key, token)
     redis.call('ZREM', shared, token)
     return 0
   end
-  redis.call('ZADD', shared, int(-now()), token)
+  keep_released(key, token)
   drop_dead(key, now())
-  -- The released holds, newest first (the most negative scores): the oldest beyond
-  -- KEPT_MOST go.
-  local gone = redis.call('ZCOUNT', shared, '-inf', '(0')
-  if gone > KEPT_MOST then
-    redis.call('ZREMRANGEBYRANK', shared, KEPT_MOST, gone - 1)
-  end
   local latest = redis.call('ZREVRANGEBYSCORE', shared, '+inf', '(' .. int(now()), 'WITHSCORES', 'LIMIT', 0, 1)
   if #latest == 0 then
     end_lease(key, seen[3], seen[4], now(), nil, seen[5])
@@ -86,19 +94,29 @@ local function release(i)
       redis.call('LREM', queue, 1, token)
     end
   end
-  local seen = record(key, 't', 'e', 'r', 'w', 'q', 's')
+  local seen = record(key, 't', 'e', 'r', 'w', 'q', 's', 'z')
   if not seen then
     return 0
   end
   local t, e = seen[1], seen[2]
+  -- The name has had shared holds within its hour (`z`): a read-write lock.
+  local shared_too = (tonumber(seen[7]) or 0) > now()
   if t == token and holding(t, e, now()) then
     end_lease(key, seen[4], seen[5], now(), nil, seen[6])
+    if shared_too then
+      -- Released, whatever fails after this.
+      pcall(keep_released, key, token)
+    end
     return 1
   end
   if wake and not holding(t, e, now()) then
     pcall(wake_head, key, now())
   end
   if released_by(token, t, e, seen[3]) then
+    return 1
+  end
+  if shared_too and (tonumber(redis.call('ZSCORE', key .. ':shared', token)) or 0) < 0 then
+    -- A write's release, re-sent after other grants took `r`'s place.
     return 1
   end
   return 0
