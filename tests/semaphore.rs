@@ -1443,3 +1443,46 @@ async fn the_set_of_permits_outlives_its_live_permits() {
     }
     assert!(pool.try_acquire().await.unwrap().is_none(), "the count");
 }
+
+/// A late copy of a permit's attempt, arriving after that permit's release (a command the
+/// client re-sent after a reconnect), is not granted again while the name is held by permits:
+/// the release is remembered, and nobody would hold the permit it took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_copy_of_a_released_permits_attempt_is_not_granted() {
+    use redlease::backend::{Acquire, Attempt, Claim, ClaimKind, NodeTerms, Release};
+    use redlease::Token;
+    let store = Store::redis();
+    let backend = store.backend().await;
+    let key = LeaseKey::new("redlease:", "late");
+    let claim = |token: Token| Claim::new(key.clone(), token, secs(10)).kind(ClaimKind::Permit(4));
+    let (other, late) = (claim(Token::shared()), claim(Token::shared()));
+    let once = |c: Claim| {
+        let backend = backend.clone();
+        async move { backend.acquire(&c, Attempt::Once, NodeTerms::new()).await }
+    };
+    assert!(matches!(once(other.clone()).await, Ok(Acquire::Granted(_))));
+    let Ok(Acquire::Granted(grant)) = once(late.clone()).await else {
+        panic!("a free permit was refused");
+    };
+    let released = backend
+        .release(
+            &late,
+            Release::Confirmed {
+                lease: &grant.lease,
+            },
+        )
+        .await
+        .expect("release");
+    assert_eq!(released, Some(0));
+    let copy = once(late.clone()).await.expect("the late copy's answer");
+    assert!(
+        matches!(copy, Acquire::Held { .. }),
+        "a late copy of a released attempt: {copy:?}"
+    );
+    let pool = store
+        .manager(LockOptions::new())
+        .await
+        .semaphore("late", 4)
+        .expect("semaphore");
+    assert_eq!(live(&pool).await, 1, "only the other permit is held");
+}

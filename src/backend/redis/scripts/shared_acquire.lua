@@ -15,8 +15,9 @@
 -- server's clock): a claim made with a lower count than the holders' waits until enough of
 -- them are gone, and nobody's hold is taken away. A read is granted while no writer waits:
 -- a waiting plain claim keeps the record's `v` live (see acquire.lua), and new reads are held
--- behind it until a writer has had the lock (its grant clears `v`). Waiting shared claims keep `s` live, which makes the
--- release that frees the lock wake every waiter (see end_lease).
+-- behind it until a writer has had the lock (its grant clears `v`). Waiting shared claims
+-- keep `s` live, which makes the release that frees the lock wake every waiter (see
+-- end_lease).
 local now_ms, clock_us = server_clock()
 local function attempt(i)
   local key = KEYS[i + 1]
@@ -40,6 +41,11 @@ local function attempt(i)
       keep_shared(key, until_ms, z)
       local fence = string.match(redis.call('HGET', sharers, token) or '', '^(%d+)')
       return 1, tonumber(fence) or num(f) or 0
+    end
+    if mine and mine < 0 then
+      -- Released already (see keep_released): a late copy of the attempt, arriving after
+      -- its own release, is not granted again.
+      return 0, left
     end
   end
   if barred(key, token, a, now_ms) then
