@@ -3,14 +3,17 @@
 //! codes, a lost lease (key deleted, server killed) makes the command receive SIGTERM (and
 //! SIGKILL after the grace period) and the tool exit with the lost code, signals are
 //! forwarded (during the grace period too), and `inspect` and `release --force` print what
-//! they see and do. On Linux, the command's process group dies with a killed `redlease`, is
-//! SIGKILLed whole after the grace period, and keeps the lock until all of it has exited; a
-//! URL with a password shows in no argv, and the command's environment has no REDIS_URL.
+//! they see and do. On Linux, the command's process group dies with a killed `redlease` (also
+//! when its supervisor is killed with it), is SIGKILLed whole after the grace period, and
+//! keeps the lock until all of it has exited; a URL with a password shows in no argv, and the
+//! command's environment has no REDIS_URL.
 //! `--permits N` lets N runs hold one name at once, each with its own fencing token.
 #![cfg(unix)]
 
 mod support;
 
+#[cfg(target_os = "linux")]
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -651,6 +654,153 @@ fn the_command_dies_with_a_killed_redlease() {
         alive(pid),
         alive(child)
     );
+}
+
+/// What `pkill -9 -f redlease` does, to this run only: `kill -9` of every process of the run
+/// whose argv names redlease (`redlease run` and its supervisor), at once, i.e. neither acts
+/// on the other's death; the command's group is then checked: nothing of it runs on, though
+/// nobody is left to hold the lock. The command ignores SIGTERM and SIGHUP, and has a
+/// pipeline and a child shell with a child of its own in the background. Its argv and paths
+/// are relative (it runs in its own directory), so that only redlease's own processes match;
+/// its output goes elsewhere, so that redlease's pipes close when redlease's processes are
+/// gone.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_group_dies_when_redlease_and_its_supervisor_are_killed_together() {
+    let srv = RedisServer::start();
+    let dir = scratch(&srv, "both-killed");
+    std::fs::write(
+        dir.join("job.sh"),
+        "exec < /dev/null > /dev/null 2>&1\n\
+         trap '' TERM HUP INT\n\
+         sleep 300 | cat &\n\
+         echo $! > pipe.pid\n\
+         sh -c 'sleep 300 & echo $! > grandchild.pid; wait' &\n\
+         echo $$ > command.pid\n\
+         wait\n",
+    )
+    .unwrap();
+    let mut cmd = redlease(&srv, &["run", "--ttl", "3s", "both", "--", "sh", "job.sh"]);
+    cmd.current_dir(&dir);
+    let run = cmd.spawn().unwrap();
+    let command = pid_in(&dir.join("command.pid"));
+    let pipe = pid_in(&dir.join("pipe.pid"));
+    let grandchild = pid_in(&dir.join("grandchild.pid"));
+    let (_, group) = stat(command).expect("the command runs");
+    let _leftovers = GroupLeftovers(group);
+    let mut named: Vec<u32> = descendants(run.id())
+        .into_iter()
+        .chain([run.id()])
+        .filter(|&pid| cmdline(pid).contains("redlease"))
+        .collect();
+    named.sort_unstable();
+    let mut expected = vec![run.id(), group];
+    expected.sort_unstable();
+    assert_eq!(
+        named, expected,
+        "redlease run and its supervisor (the group's leader)"
+    );
+    // At once: neither may act on the other's death. `redlease run` is stopped first (every
+    // thread of it), then the supervisor is killed, then `redlease run`. (Stopping the
+    // supervisor instead would not do: a stopped member makes the kernel send SIGHUP and
+    // SIGCONT to a group that its parent's death orphans, and it could act on that.)
+    let signal = |sig: &str, pids: &[u32]| {
+        let sent = Command::new("kill")
+            .arg(sig)
+            .args(pids.iter().map(u32::to_string))
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {sig} {pids:?}");
+    };
+    signal("-STOP", &[run.id()]);
+    assert!(wait_for(SOON, || stopped(run.id())), "redlease run stopped");
+    signal("-KILL", &[group, run.id()]);
+    let out = finish(run);
+    assert_eq!(out.status.signal(), Some(9));
+    assert!(
+        wait_for(SOON, || group_members(group).is_empty()),
+        "left running without the lock: {:?} (command {command}, pipeline {pipe}, \
+         grandchild {grandchild})",
+        group_members(group)
+    );
+}
+
+/// The pids of `pid`'s descendants (running or not yet reaped), from /proc.
+#[cfg(target_os = "linux")]
+fn descendants(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(|p| Some((p, ppid(p)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut found = vec![pid];
+    let mut next = 0;
+    while next < found.len() {
+        let parent = found[next];
+        found.extend(
+            parents
+                .iter()
+                .filter(|&&(_, pp)| pp == parent)
+                .map(|&(p, _)| p),
+        );
+        next += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// Whether every thread of `pid` is stopped (by a signal), from /proc.
+#[cfg(target_os = "linux")]
+fn stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|text| {
+            text.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T")
+        })
+    })
+}
+
+/// The parent of `pid`, from /proc.
+#[cfg(target_os = "linux")]
+fn ppid(pid: u32) -> Option<u32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    text.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The argv of `pid`, its words joined by spaces (as `pkill -f` matches it).
+#[cfg(target_os = "linux")]
+fn cmdline(pid: u32) -> String {
+    let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    String::from_utf8_lossy(&argv).replace('\0', " ")
+}
+
+/// SIGKILLs, when dropped, what is left of process group `pgid`, so that a failing test
+/// leaves nothing running.
+#[cfg(target_os = "linux")]
+struct GroupLeftovers(u32);
+
+#[cfg(target_os = "linux")]
+impl Drop for GroupLeftovers {
+    fn drop(&mut self) {
+        if !group_members(self.0).is_empty() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.0)])
+                .status();
+        }
+    }
 }
 
 /// On a lost lease, a worker of the command's group that ignores SIGTERM gets SIGKILL once

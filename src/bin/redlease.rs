@@ -63,8 +63,10 @@ the command does not get REDIS_URL.
 The command runs in a process group of its own. On Linux the lock is held until every
 process of that group has exited, not just the command (as flock's descriptor is while a
 background child that inherited it runs), and if redlease dies, even of SIGKILL, the whole
-group is killed with it: nothing runs on without the lock. A process that must outlive the
-lock has to leave the group (setsid).
+group is killed with it: nothing runs on without the lock. That holds too when redlease
+and its `redlease supervise` process are killed together (`pkill -9 -f redlease`): a third
+process, shown as `lease-keeper` in ps, then kills the group. A process that must outlive
+the lock has to leave the group (setsid).
 
 Exit codes of `run`:
   the command's own code   when it ran to its end with the lease held
@@ -139,6 +141,15 @@ enum Command {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
     },
+    /// Internal: what the supervisor starts on Linux (shown as `lease-keeper`) to SIGKILL the
+    /// command's process group if the supervisor dies before the group is done, e.g. killed
+    /// together with `redlease` (see src/bin/redlease/supervisor.rs).
+    #[command(hide = true)]
+    Keep {
+        /// The command's process group (the supervisor's pid).
+        #[arg(long)]
+        group: u32,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -200,6 +211,9 @@ fn main() -> ExitCode {
     if let Command::Supervise { parent, command } = &cli.command {
         return ExitCode::from(supervise(*parent, command));
     }
+    if let Command::Keep { group } = &cli.command {
+        return ExitCode::from(keep(*group));
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -217,7 +231,7 @@ fn main() -> ExitCode {
             Command::Inspect { name } => inspect(&cli, name).await,
             Command::Release { name, force } => release(&cli, name, *force).await,
             // Run before the runtime starts, above.
-            Command::Supervise { .. } => Ok(0),
+            Command::Supervise { .. } | Command::Keep { .. } => Ok(0),
         };
         result.unwrap_or_else(|Fail(code, msg)| {
             eprintln!("redlease: {msg}");
@@ -237,6 +251,17 @@ fn supervise(parent: u32, command: &[OsString]) -> u8 {
 #[cfg(not(target_os = "linux"))]
 fn supervise(_parent: u32, _command: &[OsString]) -> u8 {
     eprintln!("redlease: supervise is for Linux only");
+    EXIT_USAGE
+}
+
+#[cfg(target_os = "linux")]
+fn keep(group: u32) -> u8 {
+    supervisor::keep(group)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn keep(_group: u32) -> u8 {
+    eprintln!("redlease: keep is for Linux only");
     EXIT_USAGE
 }
 

@@ -12,6 +12,17 @@
 //!   group is its child and is reaped by it, not left a zombie that would look like a member.
 //! - **hands on the command's exit:** its code, or 128 + N for a death by signal N (what
 //!   `redlease` reports either way).
+//! - **has a keeper, for when it dies too.** Killed together with `redlease` (`kill -9` of
+//!   both, `pkill -9 -f redlease`), the supervisor can do nothing, and the group would run on
+//!   without the lease (reparented above us, where nobody kills it). So before the command
+//!   starts, the supervisor starts a keeper (`redlease keep`, this binary again, shown in `ps`
+//!   as `lease-keeper`, so that a pattern that names redlease does not match it), outside the
+//!   group, holding one end of a socket pair whose other end only the supervisor holds. The
+//!   kernel closes that end when the supervisor dies however it dies, and the keeper then
+//!   SIGKILLs the group. A supervisor that ends normally (the group is empty) dismisses it
+//!   first with a byte on the socket. The command's own parent-death signal would not do:
+//!   it reaches the command only (not what it started), and can be set only between fork and
+//!   exec (`unsafe` in std), or by a third exec in between that a set-uid command clears.
 //!
 //! Why a process of its own: the parent-death signal must be set in the child between fork
 //! and exec, which std offers only through `CommandExt::pre_exec`, an `unsafe` function, and
@@ -25,6 +36,11 @@
 //! long as the process.
 
 use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
 
 use nix::errno::Errno;
 use nix::sys::prctl;
@@ -33,7 +49,7 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{getpgrp, getppid, Pid};
 use tokio::signal::unix::{signal, SignalKind};
 
-use super::{EXIT_CANNOT_RUN, EXIT_NOT_FOUND};
+use super::{EXIT_CANNOT_RUN, EXIT_NOT_FOUND, EXIT_USAGE};
 
 /// The running binary, as the kernel knows it: this path still works when the file has been
 /// replaced or deleted since `redlease` started (an upgrade while a job runs).
@@ -42,6 +58,10 @@ const SELF_EXE: &str = "/proc/self/exe";
 /// The signal the kernel sends the supervisor when `redlease` dies. It is caught like the
 /// others: each of them makes the supervisor look whether its parent is still there.
 const PARENT_DEATH: Signal = Signal::SIGHUP;
+
+/// The keeper's argv[0]: what `ps` shows, and what `pkill -f` matches. It does not contain
+/// "redlease" on purpose (see the module docs).
+const KEEPER_NAME: &str = "lease-keeper";
 
 /// What `redlease run` spawns to run `program` with `args`: the supervisor, told who its
 /// parent is.
@@ -75,14 +95,24 @@ pub(super) fn main(parent: u32, command: &[OsString]) -> u8 {
             return EXIT_CANNOT_RUN;
         }
     };
-    let code = runtime.block_on(supervise(parent, command));
-    code.unwrap_or_else(|msg| {
-        eprintln!("redlease: {msg}");
-        EXIT_CANNOT_RUN
-    })
+    match runtime.block_on(supervise(parent, command)) {
+        // The group is empty: the keeper has nothing left to guard.
+        Ok((code, keeper)) => {
+            keeper.dismiss();
+            code
+        }
+        // The keeper, if it was started, is not dismissed: it kills whatever is left of the
+        // group once this process is gone.
+        Err(msg) => {
+            eprintln!("redlease: {msg}");
+            EXIT_CANNOT_RUN
+        }
+    }
 }
 
-async fn supervise(parent: u32, command: &[OsString]) -> Result<u8, String> {
+/// Runs the command and waits for its group; the command's exit code, and the keeper to
+/// dismiss now that the group is empty.
+async fn supervise(parent: u32, command: &[OsString]) -> Result<(u8, Keeper), String> {
     let parent = i32::try_from(parent)
         .map(Pid::from_raw)
         .map_err(|_| format!("supervise: bad parent pid {parent}"))?;
@@ -100,11 +130,15 @@ async fn supervise(parent: u32, command: &[OsString]) -> Result<u8, String> {
         return Err("redlease exited before the command started".into());
     }
     let group = getpgrp();
+    // Before the command: from its first instant, the group has someone to kill it if this
+    // process dies with `redlease`.
+    let keeper =
+        Keeper::start(group).map_err(|e| format!("cannot start the group's keeper: {e}"))?;
     let child = match std::process::Command::new(program).args(args).spawn() {
         Ok(child) => child,
         Err(e) => {
             let shown = program.to_string_lossy();
-            return Ok(match e.kind() {
+            let code = match e.kind() {
                 std::io::ErrorKind::NotFound => {
                     eprintln!("redlease: {shown}: command not found");
                     EXIT_NOT_FOUND
@@ -113,7 +147,8 @@ async fn supervise(parent: u32, command: &[OsString]) -> Result<u8, String> {
                     eprintln!("redlease: {shown}: cannot run it: {e}");
                     EXIT_CANNOT_RUN
                 }
-            });
+            };
+            return Ok((code, keeper));
         }
     };
     let pid = i32::try_from(child.id())
@@ -128,7 +163,8 @@ async fn supervise(parent: u32, command: &[OsString]) -> Result<u8, String> {
     loop {
         tokio::select! {
             code = &mut reaper => {
-                return code.map_err(|e| format!("waiting for the command: {e}"));
+                let code = code.map_err(|e| format!("waiting for the command: {e}"))?;
+                return Ok((code, keeper));
             }
             () = signals.recv() => {
                 if getppid() != parent {
@@ -180,6 +216,76 @@ fn reap(group: Pid, command: Pid, shown: &str) -> u8 {
         }
     }
     code
+}
+
+/// The supervisor's side of the keeper (see the module docs): the socket whose closing sets
+/// the keeper off, and the keeper's process.
+struct Keeper {
+    line: UnixStream,
+    process: std::process::Child,
+}
+
+impl Keeper {
+    /// Starts `redlease keep --group GROUP` in a process group of its own (the command's
+    /// group is for the command: the supervisor waits for all of it), with its end of the
+    /// socket pair as its stdin. Both ends are close-on-exec: the command does not inherit
+    /// ours (else the keeper would not hear of our death while the command lived).
+    fn start(group: Pid) -> std::io::Result<Self> {
+        let (line, theirs) = UnixStream::pair()?;
+        let process = std::process::Command::new(SELF_EXE)
+            .arg0(KEEPER_NAME)
+            .arg("keep")
+            .arg("--group")
+            .arg(group.as_raw().to_string())
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn()?;
+        Ok(Keeper { line, process })
+    }
+
+    /// Tells the keeper that the group is done, and waits for it to exit. Runs after the
+    /// runtime is gone: the keeper exits as soon as it reads the byte (or is gone already).
+    fn dismiss(mut self) {
+        // A failed write means the keeper is gone already: nothing to dismiss.
+        let _ = self.line.write_all(&[1]);
+        drop(self.line);
+        let _ = self.process.wait();
+    }
+}
+
+/// `redlease keep --group GROUP`: waits on stdin for the supervisor's byte (the group is
+/// done: exit) or for the end of the stream (the supervisor died: SIGKILL the group).
+pub(super) fn keep(group: u32) -> u8 {
+    let group = match i32::try_from(group) {
+        Ok(g) if g > 1 => Pid::from_raw(g),
+        _ => {
+            eprintln!("redlease: keep: bad process group {group}");
+            return EXIT_USAGE;
+        }
+    };
+    let mut byte = [0_u8; 1];
+    let dismissed = loop {
+        match std::io::stdin().lock().read(&mut byte) {
+            Ok(n) => break n == 1,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // The supervisor cannot be watched any longer: as if it had died.
+            Err(_) => break false,
+        }
+    };
+    if dismissed {
+        return 0;
+    }
+    // One signal reaches every member, and one forking at this instant too (the kernel
+    // gives a group's signal to a child forked while it is sent).
+    if killpg(group, Signal::SIGKILL).is_ok() {
+        // stderr may be a closed terminal by now: the message is best effort.
+        let _ = writeln!(
+            std::io::stderr(),
+            "redlease: the supervisor of process group {group} died: sent SIGKILL to the group"
+        );
+    }
+    0
 }
 
 /// The signals a process group commonly gets. The supervisor survives them all (they are
