@@ -29,6 +29,12 @@ use crate::watchdog::{ToKeep, Watchdog};
 /// before it goes ahead anyway (a release takes one round trip).
 const RELEASE_WAIT: Duration = Duration::from_millis(500);
 
+/// The longest pause of a waiting plain claim that registers with the store, whatever its
+/// `max_delay`: its attempts renew its writer preference (new reads of its name wait behind
+/// it), which the store keeps `2 × this + 100 ms` past its last attempt, so that a waiter
+/// that died holds readers back that long at most.
+const WRITER_RECHECK: Duration = Duration::from_secs(1);
+
 /// What a manager's locks share: the store (and what it can serve) and the watchdog.
 pub(crate) struct Engine {
     pub(crate) backend: Arc<dyn Backend>,
@@ -84,9 +90,12 @@ pub(crate) async fn wait(target: Target<'_>, limit: Option<Duration>) -> Result<
         // Waiters register with the store when they are woken by it, and a kind that
         // queues always does (its place in the queue is the registration).
         let registers = notify || target.kind.queues();
-        let recheck = retry.max_delay;
+        let recheck = match target.kind {
+            ClaimKind::Plain if registers => retry.max_delay.min(WRITER_RECHECK),
+            _ => retry.max_delay,
+        };
         let mut sub: Option<Subscription> = None;
-        let mut pauses = Pauses::new(retry, notify);
+        let mut pauses = Pauses::new(retry, notify, recheck);
         // Woken by the store, this process's waiters on one lock share one fallback re-check
         // (a waiter in a fair queue keeps its own place, so it re-checks for itself).
         // Joined at the first pause: an acquire granted at once never touches the registry.
@@ -313,8 +322,10 @@ impl<'a> Attempts<'a> {
             Acquire::Granted(grant) => Tried::Granted(grant),
             Acquire::Held { remaining } => {
                 crate::telemetry::contended();
-                // Turned away: it holds nothing, unless it stands in a queue.
-                self.pending.armed = attempt.recheck().is_some() && self.target.kind.queues();
+                // Turned away: it holds nothing, unless it stands in a queue or holds new
+                // reads back (a plain waiter): giving up withdraws that.
+                self.pending.armed = attempt.recheck().is_some()
+                    && (self.target.kind.queues() || *self.target.kind == ClaimKind::Plain);
                 Tried::Held(remaining)
             }
             // Only a quorum member answers this, to a quorum; a store passing it on asks the
@@ -443,11 +454,13 @@ struct Recheck {
 
 type RecheckKeys = HashMap<(usize, LeaseKey, Class), Arc<Recheck>>;
 
-/// Which waiters of one lock a free state lets in alike: exclusive claims (plain, fair,
-/// reentrant: the lock free), reads, and permits by their count.
+/// Which waiters of one lock a free state lets in alike: exclusive claims (reentrant: the
+/// lock free), plain ones (the same, but their attempts also keep their writer preference
+/// alive, which a reentrant re-checker's do not), reads, and permits by their count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Class {
     Exclusive,
+    Write,
     Read,
     Permits(u32),
 }
@@ -455,6 +468,7 @@ enum Class {
 impl Class {
     fn of(kind: &ClaimKind) -> Class {
         match kind {
+            ClaimKind::Plain => Class::Write,
             ClaimKind::Read => Class::Read,
             ClaimKind::Permit(n) => Class::Permits(*n),
             _ => Class::Exclusive,
@@ -529,8 +543,10 @@ impl Drop for Rechecks {
 
 /// The waits between a waiting acquire's attempts: until a wake-up (a release or hand-off)
 /// or a pause, whichever comes first. With wake-ups the pause is a fallback re-check at
-/// most every `max_delay`; without (polling) it grows from `min_delay` to `max_delay`. Either
-/// way it is jittered, and no longer than what the store said is left of the holder's lease.
+/// most every `max_delay` (a plain claim's at most every [`WRITER_RECHECK`]); without
+/// (polling) it grows from `min_delay` to `max_delay`. Either way it is jittered, and no
+/// longer than what the store said is left of the holder's lease (or of what else turned the
+/// attempt away: a writer's preference, for a read).
 struct Pauses {
     notify: bool,
     next: Duration,
@@ -538,11 +554,12 @@ struct Pauses {
 }
 
 impl Pauses {
-    fn new(retry: &RetryPolicy, notify: bool) -> Self {
+    /// `max`: the longest pause (`max_delay`, or less).
+    fn new(retry: &RetryPolicy, notify: bool, max: Duration) -> Self {
         Pauses {
             notify,
-            next: retry.min_delay,
-            max: retry.max_delay,
+            next: retry.min_delay.min(max),
+            max,
         }
     }
 

@@ -1,7 +1,8 @@
 //! Read-write locks (`RwLock`), on a real redis-server and in memory: many readers or one
 //! writer checked by a `SharedChecker` under chaos (killed connections, crashed readers),
 //! writer preference (a stream of readers cannot starve a writer; a writer that gives up
-//! leaves its preference for a bounded time only), a dead reader's lease expiring alone,
+//! withdraws its preference, and one that dies loses it within a bound that does not grow
+//! with its `max_delay`), a dead reader's lease expiring alone,
 //! readers woken together by a write's release, fencing tokens, single attempts, a plain lock
 //! as the writer, and the locks that refuse to be made read-write (Redlock, fair, reentrant).
 //!
@@ -769,53 +770,288 @@ async fn memory_write_tokens_exceed_every_earlier_token() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 6. A writer that gives up.
+// 6. A writer that gives up, or dies: its preference ends within a bound of its own.
 // ---------------------------------------------------------------------------------------
 
-/// Readers hold; a writer waits with a short timeout and gives up. Its preference is left
-/// behind for a while (a single read attempt right after is turned away), but not for long:
-/// a new reader gets in within two re-check intervals (the flag's life) plus one re-check
-/// of its own and slack, while the first reader still holds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writer_that_gives_up_holds_readers_back_for_a_bounded_time() {
-    let store = Store::redis();
-    let max_delay = ms(300);
-    let options = LockOptions::new()
-        .ttl(secs(1))
-        .retry(RetryPolicy::notify().max_delay(max_delay))
-        .wait_timeout(Some(SOON));
-    let holder_m = store.manager(options.clone()).await;
-    let writer_m = store.manager(options.clone()).await;
-    let late_m = store.manager(options).await;
-    let rw = holder_m.rw("gives-up").unwrap();
-    let held = rw.read().await.unwrap();
-    let writer = writer_m.rw("gives-up").unwrap();
-    let err = writer.write_timeout(ms(150)).await.unwrap_err();
-    assert!(matches!(err, Error::Timeout { .. }), "{err}");
-    let gave_up = Instant::now();
-    let late = late_m.rw("gives-up").unwrap();
-    // The preference outlives the writer for a while.
-    assert!(
-        late.try_read().await.unwrap().is_none(),
-        "a read got in right after the writer gave up: no writer preference was left at all"
-    );
-    let g = late
-        .read_timeout(secs(5))
+/// The longest fallback re-check (`MAX_RETRY_DELAY`): with it a waiting writer would once
+/// hold new readers back for two hours after its last attempt, and a waiting reader would
+/// re-check once an hour. Every waiter below uses it, and every lease a TTL far beyond the
+/// tests' bounds (a read held lets a reader turned away come back when its TTL would run
+/// out), so that only the store's messages and the writer's preference lease let a reader in.
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn hour_options() -> LockOptions {
+    LockOptions::new()
+        .ttl(SOON * 6)
+        .retry(RetryPolicy::notify().max_delay(HOUR))
+        .wait_timeout(Some(SOON))
+}
+
+/// The environment variable that makes this test binary the waiting writer of
+/// [`redis_a_killed_waiting_writers_preference_lapses_whatever_its_max_delay`], in a process of
+/// its own: the server's URL.
+const CHILD_WRITER: &str = "REDLEASE_TEST_RW_CHILD_WRITER";
+
+/// The lock name the dead writer tests use.
+const DEAD: &str = "dead-writer";
+
+/// A waiting writer that is made to die while it waits: on Redis a process of its own (this
+/// test binary run again, as [`CHILD_WRITER`]) killed with SIGKILL; in memory an acquire
+/// frozen in the middle of its wait (never polled again, never dropped), which is what a
+/// killed process is to an in-process store.
+enum DeadWriter {
+    Process(Child),
+    Frozen(Pin<Box<dyn Future<Output = redlease::Result<LockGuard>> + Send>>),
+}
+
+impl DeadWriter {
+    /// Starts the writer; it waits (for a read held by the caller) once the record says so.
+    async fn start(store: &Store) -> DeadWriter {
+        match store.server() {
+            Some(srv) => {
+                let child = std::process::Command::new(std::env::current_exe().expect("exe"))
+                    .args([
+                        "redis_a_killed_waiting_writers_preference_lapses_whatever_its_max_delay",
+                        "--exact",
+                        "--nocapture",
+                    ])
+                    .env(CHILD_WRITER, srv.url())
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .expect("start the writer's process");
+                DeadWriter::Process(Child(child))
+            }
+            None => {
+                let rw = store.manager(hour_options()).await.rw(DEAD).unwrap();
+                let mut acquire: Pin<Box<dyn Future<Output = _> + Send>> =
+                    Box::pin(async move { rw.write().await });
+                // In memory the first poll makes the writer's attempts: it waits after it.
+                assert!(futures::poll!(acquire.as_mut()).is_pending());
+                DeadWriter::Frozen(acquire)
+            }
+        }
+    }
+
+    /// Dies: SIGKILL (its connections close with it), or frozen for good.
+    fn die(self) {
+        match self {
+            DeadWriter::Process(mut child) => {
+                child.0.kill().expect("SIGKILL the writer's process");
+                child.0.wait().expect("reap the writer's process");
+            }
+            DeadWriter::Frozen(acquire) => std::mem::forget(acquire),
+        }
+    }
+}
+
+/// A child process, killed when dropped: a test that fails before the kill leaves no process
+/// behind.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // (Killed and reaped already when the test went as planned: nothing to do.)
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The child process of the Redis test: a writer (fallback re-check an hour) waiting for the
+/// read its parent holds, until the parent kills it.
+async fn child_writer(url: &str) {
+    let backend = RedisBackend::connect_with(url, redis_opts())
         .await
-        .expect("the new reader gets in");
-    let blocked = gave_up.elapsed();
-    let bound = max_delay * 2 + max_delay + ms(300);
+        .expect("the child connects");
+    let locks = LockManager::with_options(backend, hour_options()).expect("options");
+    let outcome = locks
+        .rw(DEAD)
+        .unwrap()
+        .write_timeout(SOON * 3)
+        .await
+        .map(|g| g.fencing_token());
+    panic!("the child writer was to wait until killed, and ended with {outcome:?}");
+}
+
+/// A read is held; a writer waits (fallback re-check an hour), then a reader waits behind it
+/// (the same), and the writer dies without a word. The waiting reader must get in, and so
+/// must a reader that comes after the death, within a bound that does not grow with the
+/// writer's `max_delay` (`within` SOON). Before, the dead writer's preference ran
+/// 2 x max_delay + 100 ms past its last attempt (two hours here) and the waiting reader's
+/// next re-check was an hour away: both readers timed out. Now the preference is a lease of
+/// at most 2.1 s that the writer's own attempts renew, and a reader turned away by it comes
+/// back when it lapses.
+async fn a_dead_writers_preference_lapses_whatever_its_max_delay(store: Store) {
+    let holder_m = store.manager(hour_options()).await;
+    let reader_m = store.manager(hour_options()).await;
+    let late_m = store.manager(hour_options()).await;
+    let rw = holder_m.rw(DEAD).unwrap();
+    let held = rw.read().await.unwrap();
+    let writer = DeadWriter::start(&store).await;
+    store.wait_writer_waits(&rw).await;
+    let reader_rw = reader_m.rw(DEAD).unwrap();
+    let reader = start(async move { reader_rw.read().await.map(|g| (Instant::now(), g)) }).await;
+    store.wait_readers_wait(&rw).await;
+    // The writer's and the reader's processes are subscribed: both wait.
+    store.wait_subscribed(&rw, 2).await;
+    let died = Instant::now();
+    writer.die();
+    let (at, waiting) = within("the waiting reader", reader)
+        .await
+        .expect("reader task")
+        .expect("the reader waiting behind the dead writer gets in");
+    let late = late_m
+        .rw(DEAD)
+        .unwrap()
+        .read()
+        .await
+        .expect("a reader that comes after the writer died gets in");
     println!(
-        "writer gave up: new readers were held back {blocked:?} (bound {bound:?}, max_delay \
-         {max_delay:?})"
-    );
-    assert!(
-        blocked <= bound,
-        "new readers were held back {blocked:?} after the writer gave up (bound {bound:?})"
+        "dead writer (max_delay {HOUR:?}): the waiting reader got in {:?} after it died, a \
+         later one {:?} after",
+        at - died,
+        died.elapsed()
     );
     assert!(!held.is_lost());
-    assert_eq!(reads_held(&rw).await, 2);
-    g.release().await.unwrap();
+    assert_eq!(reads_held(&rw).await, 3);
+    for g in [waiting, late, held] {
+        g.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_killed_waiting_writers_preference_lapses_whatever_its_max_delay() {
+    if let Ok(url) = std::env::var(CHILD_WRITER) {
+        return child_writer(&url).await;
+    }
+    a_dead_writers_preference_lapses_whatever_its_max_delay(Store::redis()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_frozen_waiting_writers_preference_lapses_whatever_its_max_delay() {
+    a_dead_writers_preference_lapses_whatever_its_max_delay(Store::memory()).await;
+}
+
+/// A read is held; a writer waits (fallback re-check an hour), then a reader waits behind it
+/// (the same). The writer gives up (its acquire dropped, as a wait limit ends it). Its
+/// preference is withdrawn with its clean-up: a read attempted after the give-up in the
+/// writer's own manager (whose attempts follow that clean-up) gets in at once, and the
+/// waiting reader is woken: on Redis by a message on the release channel, seen here by a
+/// subscriber of the test's own. Before, a waiting writer's give-up sent nothing: the read
+/// attempt was turned away and the waiting reader waited out the writer's two hours.
+async fn a_writer_that_gives_up_withdraws_its_preference(store: Store) {
+    const NAME: &str = "gives-up";
+    let holder_m = store.manager(hour_options()).await;
+    let writer_m = store.manager(hour_options()).await;
+    let reader_m = store.manager(hour_options()).await;
+    let rw = holder_m.rw(NAME).unwrap();
+    let held = rw.read().await.unwrap();
+    let writer_rw = writer_m.rw(NAME).unwrap();
+    let writer = start(async move { writer_rw.write().await }).await;
+    store.wait_writer_waits(&rw).await;
+    let reader_rw = reader_m.rw(NAME).unwrap();
+    let reader = start(async move { reader_rw.read().await.map(|g| (Instant::now(), g)) }).await;
+    store.wait_readers_wait(&rw).await;
+    store.wait_subscribed(&rw, 2).await;
+    let channel = rw.reader().key().derived("released");
+    let mut sub = store.server().map(|srv| {
+        let mut sub = srv.connect();
+        sub.cmd(&["SUBSCRIBE", &channel]).expect("subscribe");
+        sub
+    });
+    let gave_up = Instant::now();
+    writer.abort();
+    assert!(
+        within("the writer's end", writer).await.is_err(),
+        "the writer was to be cancelled, waiting"
+    );
+    let after = writer_m
+        .rw(NAME)
+        .unwrap()
+        .try_read()
+        .await
+        .expect("try_read")
+        .expect("a read attempted after the writer gave up is turned away: its preference stayed");
+    let (at, waiting) = within("the waiting reader", reader)
+        .await
+        .expect("reader task")
+        .expect("the waiting reader gets in");
+    println!(
+        "a writer gave up (max_delay {HOUR:?}): the waiting reader got in {:?} after",
+        at - gave_up
+    );
+    if let Some(mut sub) = sub.take() {
+        let message = tokio::task::spawn_blocking(move || {
+            sub.set_read_timeout(Some(SOON)).expect("timeout");
+            sub.read_reply()
+        })
+        .await
+        .expect("reader thread")
+        .expect("a message on the release channel after the give-up");
+        let parts = message.as_array().expect("a pub/sub message");
+        assert_eq!(parts[0].as_str().as_deref(), Some("message"), "{message:?}");
+        assert_eq!(
+            parts[2].as_str().as_deref(),
+            Some("*"),
+            "the give-up wakes every reader: {message:?}"
+        );
+    }
+    assert_eq!(reads_held(&rw).await, 3);
+    for g in [after, waiting, held] {
+        g.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_writer_that_gives_up_withdraws_its_preference() {
+    a_writer_that_gives_up_withdraws_its_preference(Store::redis()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_writer_that_gives_up_withdraws_its_preference() {
+    a_writer_that_gives_up_withdraws_its_preference(Store::memory()).await;
+}
+
+/// A live writer waiting with a fallback re-check of an hour keeps new readers back past
+/// the end of the preference lease it first took: its attempts renew the lease well before
+/// it lapses, whatever its `max_delay`. Before, the first lease ran two hours (the wait for
+/// its end fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_writer_renews_its_preference_whatever_its_max_delay() {
+    let store = Store::redis();
+    let srv = store.server().expect("redis").clone();
+    const NAME: &str = "renewed";
+    let holder_m = store.manager(hour_options()).await;
+    let writer_m = store.manager(hour_options()).await;
+    let probe_m = store.manager(hour_options()).await;
+    let rw = holder_m.rw(NAME).unwrap();
+    let held = rw.read().await.unwrap();
+    let writer_rw = writer_m.rw(NAME).unwrap();
+    let writer = start(async move { writer_rw.write().await }).await;
+    store.wait_writer_waits(&rw).await;
+    let key = rw.reader().key().as_str().to_owned();
+    let first = support::int_field(&srv, &key, "v").expect("the writer's preference");
+    assert!(
+        wait_for_async(SOON, || support::server_ms(&srv) > first).await,
+        "the writer's first preference lease runs {} ms",
+        first - support::server_ms(&srv)
+    );
+    let renewed = support::int_field(&srv, &key, "v").expect("the writer's preference");
+    assert!(
+        renewed > first,
+        "the preference was not renewed: {renewed} <= {first}"
+    );
+    assert!(
+        probe_m
+            .rw(NAME)
+            .unwrap()
+            .try_read()
+            .await
+            .unwrap()
+            .is_none(),
+        "a read got in past a live writer once its first preference lease ran out"
+    );
+    writer.abort();
     held.release().await.unwrap();
 }
 

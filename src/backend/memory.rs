@@ -22,6 +22,10 @@ const BARRED: Duration = Duration::from_secs(300);
 /// How long the answer for a replayed reentrant release is kept (as the Redis record's hour).
 const ENDED_KEPT: Duration = Duration::from_secs(3600);
 
+/// How long a waiting plain claim holds new reads back after its last attempt, at most, as on
+/// Redis (`PREFERENCE` in prelude.lua).
+const PREFERENCE: Duration = Duration::from_millis(2100);
+
 /// Leases held in this process: for tests, and for single-process apps that want the same
 /// API (guards, watchdog, fencing tokens, waiting) without a server.
 ///
@@ -64,9 +68,10 @@ struct State {
     /// Shared holds (reads, permits) of each key held in a shared mode; the lease is then
     /// held by the mode's marker until the latest of them runs out, as on Redis.
     shared: HashMap<LeaseKey, Shared>,
-    /// Until when a plain claim waits for each key: new reads wait behind it (writer
-    /// preference), as the Redis record's `v`.
-    writers: HashMap<LeaseKey, Instant>,
+    /// The plain claims waiting for each key, each with until when its preference runs: new
+    /// reads wait behind the latest (writer preference), as behind the Redis record's `v`
+    /// (the latest of `:writers`).
+    writers: HashMap<LeaseKey, HashMap<Token, Instant>>,
     /// Until when shared claims wait for each key: a release that frees it wakes every
     /// waiter, as the Redis record's `s`.
     sharers_waiting: HashMap<LeaseKey, Instant>,
@@ -148,7 +153,10 @@ impl State {
                 !q.order.is_empty()
             });
             self.barred.retain(|_, until| *until > now);
-            self.writers.retain(|_, until| *until > now);
+            self.writers.retain(|_, waiting| {
+                waiting.retain(|_, until| *until > now);
+                !waiting.is_empty()
+            });
             self.sharers_waiting.retain(|_, until| *until > now);
             // A replayed release comes within seconds; the Redis backend keeps its answer an
             // hour (the record's `t` and `r`). Kept as long here, then dropped.
@@ -237,6 +245,38 @@ impl State {
     /// Whether anyone waits for `key`: its live release subscriptions.
     fn waiters(&self, key: &LeaseKey) -> bool {
         self.events.get(key).is_some_and(|e| e.strong_count() > 0)
+    }
+
+    /// Until when new reads of `key` wait behind a waiting writer, if one's preference runs.
+    fn preference(&self, key: &LeaseKey, now: Instant) -> Option<Instant> {
+        let latest = self.writers.get(key)?.values().max().copied()?;
+        (latest > now).then_some(latest)
+    }
+
+    /// Withdraws the preference of `token`, a waiting plain claim that gave up; when that
+    /// lets reads in sooner while readers wait and no write holds the key, every waiter is
+    /// woken (as on Redis: `withdraw` in release.lua).
+    fn withdraw(&mut self, key: &LeaseKey, token: &Token, now: Instant) {
+        let before = self.preference(key, now);
+        let Some(waiting) = self.writers.get_mut(key) else {
+            return;
+        };
+        if waiting.remove(token).is_none() {
+            return;
+        }
+        if waiting.is_empty() {
+            self.writers.remove(key);
+        }
+        let readers_wait = self
+            .sharers_waiting
+            .get(key)
+            .is_some_and(|until| *until > now);
+        let write_held = self
+            .holder(key, now)
+            .is_some_and(|(t, _)| t.as_str() != READS);
+        if before > self.preference(key, now) && readers_wait && !write_held {
+            self.wake(key);
+        }
     }
 }
 
@@ -375,6 +415,7 @@ impl Backend for MemoryBackend {
             None
         };
         if how == Release::Abandon {
+            st.withdraw(key, &claim.token, now);
             if let Some(q) = st.queues.get_mut(key) {
                 let was_head = q.order.front() == Some(&claim.token);
                 if q.remove(&claim.token) && was_head && st.holder(key, now).is_none() {
@@ -451,9 +492,12 @@ fn plain_acquire(
         Some((holder, expires)) if holder != token => {
             let remaining = Some(*expires - now);
             if let Some(keep) = attempt.keep_waiter() {
-                // New reads wait behind a waiting writer.
-                let until = now.checked_add(keep).unwrap_or(now);
-                st.writers.insert(key.clone(), until);
+                // New reads wait behind a waiting writer, for a short lease that its next
+                // attempts renew.
+                let until = now.checked_add(keep.min(PREFERENCE)).unwrap_or(now);
+                let waiting = st.writers.entry(key.clone()).or_default();
+                waiting.retain(|_, until| *until > now);
+                waiting.insert(token.clone(), until);
             }
             Acquire::Held { remaining }
         }
@@ -649,10 +693,18 @@ fn shared_acquire(
             }
         }
     }
-    match held {
-        Some((false, _)) => return wait_here(st),
-        _ if permits.is_none() && st.writers.get(key).is_some_and(|w| *w > now) => {
-            return wait_here(st)
+    // A read waits behind a waiting writer, until its preference lapses at the latest.
+    let lapse = st
+        .preference(key, now)
+        .filter(|_| permits.is_none())
+        .map(|p| p - now);
+    match (held, lapse) {
+        (Some((false, _)), _) => return wait_here(st),
+        (_, Some(lapse)) => {
+            wait_here(st);
+            return Acquire::Held {
+                remaining: Some(left.map_or(lapse, |l| l.min(lapse))),
+            };
         }
         _ if permits.is_some()
             && matches!(attempt, Attempt::Arriving { .. })

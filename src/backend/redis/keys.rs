@@ -17,6 +17,7 @@
 //! | `p{name}:holds` | hash | reentrant: the reign's live holds {hold token: 1}, plus `owner`, `token` (the lease token) and `fence` |
 //! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; the last 1,000 released holds (and, on a name with shared holds in its hour, released exclusive leases) with a negative score (minus the release's time), for a re-sent release (see `prelude.lua`); lives until the record's `z` |
 //! | `p{name}:sharers` | hash | the shared holds' {hold token: `'<fencing token> <label>'`} |
+//! | `p{name}:writers` | sorted set | waiting plain claims (a read-write lock's writers): {token: until when (server ms) its preference runs}, at most 2.1 s past its last attempt; `v` is the latest; lives until `v` |
 //! | `p{name}:value` | hash | the cache: `v` payload, `d` compute time (µs), `g` grace (ms), `r` the round that wrote it |
 //! | `p{name}:filled` | channel | the cache: a value was written, or a round failed |
 //! | `p{name}:failed:<round>` | string | the cache: a failed compute round's message |
@@ -33,7 +34,7 @@
 //! | `h` | the holder's label (`''` for none), shown while held |
 //! | `r` | the token released before `t` was granted, so a re-sent release still says "ours" |
 //! | `w` | until when (server ms) plain waiters want a message on release |
-//! | `v` | until when (server ms) a plain claim (a read-write lock's writer) waits: new reads wait behind it; `0` once a plain claim is granted |
+//! | `v` | until when (server ms) a plain claim (a read-write lock's writer) waits: new reads wait behind it. The latest of the waiters' leases in `:writers` (each at most 2.1 s past that waiter's last attempt, which renews it); lowered when a waiter gives up; `0` once a plain claim is granted |
 //! | `s` | until when (server ms) shared waiters (reads, permits) want a message on release |
 //! | `z` | until when (server ms) `:shared` and `:sharers` live: an hour past the latest shared hold, renewed when half of it is gone |
 //! | `q` | until when (server ms) the fair queue may hold waiters |
@@ -94,7 +95,7 @@ pub(super) fn part(key: &LeaseKey, part: Part) -> String {
 /// On a cluster a call declares them too, after the locks' keys: a call on a slot being
 /// migrated is then answered `ASK` or `TRYAGAIN` before anything runs, instead of failing
 /// halfway at a key that has moved.
-pub(super) const BESIDE: [&str; 7] = [
+pub(super) const BESIDE: [&str; 8] = [
     "abandoned",
     "queue",
     "timeouts",
@@ -102,6 +103,7 @@ pub(super) const BESIDE: [&str; 7] = [
     "holds",
     "shared",
     "sharers",
+    "writers",
 ];
 
 /// The key of the cache's failed round `round`.

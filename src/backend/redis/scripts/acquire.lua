@@ -13,7 +13,8 @@
 -- this server has been up for less than the minimum uptime asked (a quorum member that may
 -- have restarted empty grants nothing; see uptime_ms in prelude.lua, read once per call).
 -- A grant costs TIME once per call, then HMGET and HSET per lease, plus a PEXPIREAT when the
--- record is new or its hour is half gone.
+-- record is new or its hour is half gone. A waiting attempt turned away costs HMGET, HSET,
+-- and ZADD and PEXPIREAT of `<key>:writers` (its writer preference).
 local now_ms, clock_us = server_clock()
 local uptime
 local function attempt(i)
@@ -35,8 +36,17 @@ local function attempt(i)
     if flag ~= '0' then
       -- Releases publish while `w` runs (the record exists: it is held); new reads of a
       -- read-write lock wait while `v` runs (writer preference, see shared_acquire.lua).
-      local until_ms = int(now_ms + tonumber(flag))
-      redis.call('HSET', key, 'w', until_ms, 'v', until_ms)
+      -- The preference is a short lease of this waiter's, in `<key>:writers`, which its
+      -- next attempts renew (the engine comes back at least every second): a waiter that
+      -- dies holds readers back for PREFERENCE ms at most, whatever its re-check, and one
+      -- that gives up withdraws it (see withdraw in release.lua). `v` is the latest of
+      -- the leases; the set lives as long.
+      local pref = now_ms + math.min(tonumber(flag), PREFERENCE)
+      local v = math.max(num(seen[7]) or 0, pref)
+      redis.call('HSET', key, 'w', int(now_ms + tonumber(flag)), 'v', int(v))
+      local writers = key .. ':writers'
+      redis.call('ZADD', writers, int(pref), token)
+      redis.call('PEXPIREAT', writers, int(v))
     end
     return 0, left
   end
@@ -51,6 +61,7 @@ local function attempt(i)
     -- The writer that new reads waited behind has the lock (other writers still waiting say
     -- so again at their next attempt).
     redis.call('HSET', key, 'v', '0')
+    redis.call('DEL', key .. ':writers')
   end
   return 1, fence
 end

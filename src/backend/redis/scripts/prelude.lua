@@ -27,6 +27,11 @@ end
 -- `x`), so the fencing counter `f`, the last released token and the flags outlive it.
 local HOUR = 3600000
 
+-- Writer preference: how long (ms) a waiting plain claim holds new reads back after its last
+-- attempt, at most, whatever it asks (see acquire.lua). The engine has such a waiter come
+-- back at least every second; this is its waiters flag for that, 2 x 1 s + 100 ms.
+local PREFERENCE = 2100
+
 -- Numbers handed to Redis as integers (a Lua number is a double: %.0f is exact up to 2^53).
 -- Formatting costs more than most commands, and the leases of one call mostly share their
 -- expiries (one clock, the same TTLs): each number is formatted once per call.

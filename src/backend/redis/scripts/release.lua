@@ -8,7 +8,8 @@
 --   tombstone ms: > 0 when abandoning an attempt whose outcome is unknown; the token is
 --   then barred from the acquire scripts for that long, so a late copy of the attempt
 --   (re-sent after a reconnect) cannot take the lease after this clean-up (see bar in
---   prelude.lua); it also leaves the fair queue
+--   prelude.lua); it also leaves the fair queue, and withdraws a waiting writer's preference
+--   (see withdraw)
 -- Returns per lease 1 (released, also when a re-sent release finds it released by the same
 -- token, and when a step after the release failed), 0 (not ours: another token, the lease
 -- ran out, or no record at all there), or the error's text when this lease's release failed
@@ -76,6 +77,33 @@ local function release_shared(key, token)
   return 1
 end
 
+-- Withdraws the writer preference of `token`, a waiting plain claim that gave up (see
+-- acquire.lua): its lease leaves `<key>:writers`, the record's `v` falls to the latest of the
+-- others' (0 when none is left), and when that lets reads in sooner while readers wait (`s`)
+-- and no write holds the lock, every waiter is woken ('*', as by a write's release). One
+-- ZREM for any other abandoned token.
+local function withdraw(key, token)
+  local writers = key .. ':writers'
+  if redis.call('ZREM', writers, token) == 0 then
+    return
+  end
+  local seen = record(key, 'v', 's', 't', 'e')
+  if not seen or (tonumber(seen[1]) or 0) <= now() then
+    return
+  end
+  redis.call('ZREMRANGEBYSCORE', writers, '-inf', now())
+  local latest = redis.call('ZREVRANGE', writers, 0, 0, 'WITHSCORES')
+  local rest = tonumber(latest[2]) or 0
+  if rest >= tonumber(seen[1]) then
+    return
+  end
+  redis.call('HSET', key, 'v', int(rest))
+  local holder = holding(seen[3], seen[4], now())
+  if (tonumber(seen[2]) or 0) > now() and (not holder or holder == READ) then
+    redis.pcall('PUBLISH', key .. ':released', '*')
+  end
+end
+
 local function release(i)
   local key, token, tombstone = KEYS[i + 1], ARGV[2 * i + 1], tonumber(ARGV[2 * i + 2])
   local wake = false
@@ -93,6 +121,9 @@ local function release(i)
       wake = redis.call('LINDEX', queue, 0) == token
       redis.call('LREM', queue, 1, token)
     end
+    -- A writer that gave up lets new reads in at once. (pcall: a key of another type there
+    -- must not keep the claim from being given back; its preference then lapses.)
+    pcall(withdraw, key, token)
   end
   local seen = record(key, 't', 'e', 'r', 'w', 'q', 's', 'z')
   if not seen then

@@ -9,15 +9,17 @@
 -- its own hold: it is extended to ttl from now), {-1, error} when a command of this attempt
 -- failed (see prelude.lua), or {0, ms left}: held by a write or another kind of claim, every
 -- permit taken (ms until the first of them runs out), a writer waiting for a read (writer
--- preference), or a permit's first attempt yielding to registered waiters; -2 when free.
+-- preference: ms until it lapses, if sooner), or a permit's first attempt yielding to
+-- registered waiters; -2 when free.
 --
 -- A permit is granted while fewer than the claim's own count of holds are live (by the
 -- server's clock): a claim made with a lower count than the holders' waits until enough of
 -- them are gone, and nobody's hold is taken away. A read is granted while no writer waits:
 -- a waiting plain claim keeps the record's `v` live (see acquire.lua), and new reads are held
--- behind it until a writer has had the lock (its grant clears `v`). Waiting shared claims
--- keep `s` live, which makes the release that frees the lock wake every waiter (see
--- end_lease).
+-- behind it until a writer has had the lock (its grant clears `v`), or until `v` lapses (a
+-- read turned away by it is told to come back then) or is withdrawn (a writer that gave up:
+-- see release.lua). Waiting shared claims keep `s` live, which makes the release that frees
+-- the lock wake every waiter (see end_lease), and so does a writer's withdrawal.
 local now_ms, clock_us = server_clock()
 local function attempt(i)
   local key = KEYS[i + 1]
@@ -63,9 +65,11 @@ local function attempt(i)
     return 0, left
   end
   if mode == READ and v and num(v) > now_ms then
-    -- Writer preference: a writer waits, so new reads wait behind it.
+    -- Writer preference: a writer waits, so new reads wait behind it; until its preference
+    -- lapses at the latest (a writer that died says nothing), when the read comes back.
     wait_here()
-    return 0, left
+    local lapse = num(v) - now_ms
+    return 0, (left >= 0 and math.min(left, lapse)) or lapse
   end
   if mode == PERMITS and arriving == '1' and s and num(s) > now_ms then
     -- Others wait for a permit: let them go first (see acquire.lua).
