@@ -376,6 +376,13 @@ impl RetryPolicy {
 
     /// Longest wait between two checks (the fallback re-check when notified). At least
     /// [`MIN_INTERVAL`] and at most [`MAX_RETRY_DELAY`].
+    ///
+    /// A waiting plain lock notified by the store (the write of a [`RwLock`](crate::RwLock)
+    /// is one) checks again at least every second whatever this is: each of its attempts
+    /// renews its writer preference (new reads of the name wait behind it), which ends
+    /// `2 × min(max_delay, 1 s) + 100 ms` after its last attempt. So a writer that dies holds
+    /// new readers back for 2.1 s at most, and one that gives up (a wait limit, a dropped
+    /// acquire) withdraws its preference at once, waking the readers it held back.
     pub fn max_delay(mut self, d: Duration) -> Self {
         self.max_delay = d;
         self
