@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::future::BoxFuture;
 
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
@@ -556,6 +557,24 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         0
     }
 
+    /// Resolves the next time the store may have lost leases without any command failing:
+    /// a reconnect (the server may have restarted empty, or be another server now), or a
+    /// setting that lets it drop keys (an eviction policy). The watchdog then checks every
+    /// held lease at once rather than at its due time, so that holders are told within a
+    /// round trip. Each call returns a new future, listening from the moment it is made.
+    /// Never, by default (a store that cannot lose leases that way).
+    ///
+    /// ```
+    /// use redlease::backend::Backend;
+    /// use redlease::MemoryBackend;
+    /// use futures::FutureExt;
+    /// // The memory store loses nothing behind the watchdog's back.
+    /// assert!(MemoryBackend::new().disturbed().now_or_never().is_none());
+    /// ```
+    fn disturbed(&self) -> BoxFuture<'static, ()> {
+        Box::pin(futures::future::pending())
+    }
+
     /// Gives `claim` back (see [`Release`]). Returns `Some(left)` when the claim held the
     /// lease, `left` being the holds still on it (0: the lease is deleted; always 0 but for
     /// reentrant claims), also for a replayed release of a confirmed claim; `None` when it
@@ -597,6 +616,10 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
 
     fn extend_group(&self, key: &LeaseKey) -> u64 {
         (**self).extend_group(key)
+    }
+
+    fn disturbed(&self) -> BoxFuture<'static, ()> {
+        (**self).disturbed()
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {

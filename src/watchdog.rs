@@ -1,7 +1,8 @@
 //! One shared task per manager that keeps every held lease alive, in batches; and the
 //! [`Kept`] lease a guard holds: its lost state and its registration with that task.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -144,27 +145,359 @@ pub struct WatchdogStats {
 struct Entry {
     key: LeaseKey,
     token: Token,
-    ttl: Duration,
-    interval: Duration,
-    next_due: Instant,
     state: Arc<LeaseState>,
-    /// The maximum hold's end (see `LockOptions::max_hold`): no extension reaches past it.
-    hold_until: Option<Instant>,
-    /// An extension of it is on its way: it is not sent again until that one is answered.
-    in_flight: bool,
+    /// The TTL and the interval, in ns (kept small: a manager may hold a million leases).
+    ttl: u64,
+    interval: u64,
+    /// When it is due, in ns since [`epoch`] (while `Waiting`).
+    next_due: u64,
+    /// The maximum hold's end (see `LockOptions::max_hold`), in ns since [`epoch`]; 0 for
+    /// none: no extension reaches past it.
+    hold_until: u64,
+    phase: Phase,
+}
+
+impl Entry {
+    fn ttl(&self) -> Duration {
+        Duration::from_nanos(self.ttl)
+    }
+
+    fn interval(&self) -> Duration {
+        Duration::from_nanos(self.interval)
+    }
+
+    fn hold_until(&self) -> Option<Instant> {
+        (self.hold_until != 0).then(|| epoch() + Duration::from_nanos(self.hold_until))
+    }
+}
+
+/// The watchdog's leases, by id: a slab (a million leases take a million slots, where a hash
+/// map would take up to two million buckets). An id is the slot's index and its generation,
+/// so an id whose lease has gone never names the lease that took its slot.
+#[derive(Default)]
+struct Entries {
+    slots: Vec<Option<Entry>>,
+    generations: Vec<u32>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Entries {
+    fn split(id: u64) -> (usize, u32) {
+        ((id & u64::from(u32::MAX)) as usize, (id >> 32) as u32)
+    }
+
+    fn insert(&mut self, entry: Entry) -> u64 {
+        self.len += 1;
+        let index = match self.free.pop() {
+            Some(i) => i as usize,
+            None => {
+                self.slots.push(None);
+                self.generations.push(0);
+                self.slots.len() - 1
+            }
+        };
+        self.slots[index] = Some(entry);
+        (u64::from(self.generations[index]) << 32) | index as u64
+    }
+
+    fn get(&self, id: u64) -> Option<&Entry> {
+        let (i, generation) = Self::split(id);
+        match self.generations.get(i) {
+            Some(&g) if g == generation => self.slots[i].as_ref(),
+            _ => None,
+        }
+    }
+
+    fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
+        let (i, generation) = Self::split(id);
+        match self.generations.get(i) {
+            Some(&g) if g == generation => self.slots[i].as_mut(),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        let (i, generation) = Self::split(id);
+        if self.generations.get(i) != Some(&generation) {
+            return None;
+        }
+        let entry = self.slots[i].take()?;
+        self.generations[i] = generation.wrapping_add(1);
+        // (A slab of 2^32 slots is not reached: the ids of its last slot would wrap.)
+        if let Ok(free) = u32::try_from(i) {
+            self.free.push(free);
+        }
+        self.len -= 1;
+        Some(entry)
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (u64, &mut Entry)> {
+        self.slots
+            .iter_mut()
+            .zip(&self.generations)
+            .enumerate()
+            .filter_map(|(i, (slot, &g))| {
+                slot.as_mut().map(|e| ((u64::from(g) << 32) | i as u64, e))
+            })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Where a lease is in the watchdog: waiting for its due time, due and waiting for room in its
+/// part's window, or on its way (it is not sent again until that call is answered).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Ready,
+    InFlight { recheck: bool },
+}
+
+/// Extension calls in flight per part of the store: the window, between [`WINDOW_MIN`] and
+/// [`WINDOW_MAX`]. A call carries at most [`CALL_LEASES`] leases: one script call on one
+/// Redis server, about a millisecond of its time. The window stays small while the part
+/// keeps up, so that the application's own commands on the same connection wait behind
+/// little extension work; it doubles when a due lease has waited for room until less than
+/// half its TTL is left, and shrinks by one call when a call is answered with nothing
+/// waiting. Even at its widest it is a fraction of any command timeout's work: a call is
+/// written when it is made, so its deadline counts from then, and what waits for room waits
+/// here, in deadline order, not in the client's queue.
+const WINDOW_MIN: usize = 2;
+const WINDOW_MAX: usize = 64;
+
+/// Leases per extension call.
+const CALL_LEASES: usize = 256;
+
+/// A round starts when the first lease is due, and takes along the leases due within a
+/// quarter of their interval: leases acquired close together are extended together, leases
+/// acquired far apart stay spread over the interval (at most about four rounds per interval).
+const LOOKAHEAD_DIV: u32 = 4;
+
+/// One part of the store's due leases, by deadline, its calls in flight and its window.
+struct Part {
+    ready: BinaryHeap<Reverse<(u64, u64)>>,
+    in_flight: usize,
+    window: usize,
+}
+
+impl Default for Part {
+    fn default() -> Self {
+        Part {
+            ready: BinaryHeap::new(),
+            in_flight: 0,
+            window: WINDOW_MIN,
+        }
+    }
 }
 
 #[derive(Default)]
 struct Registry {
-    entries: HashMap<u64, Entry>,
-    next_id: u64,
+    entries: Entries,
+    /// Waiting leases by due time, `(due, id)`; an item whose entry was dropped, is no longer
+    /// waiting, or is due at another time now, is skipped when it comes up.
+    due: BinaryHeap<Reverse<(u64, u64)>>,
+    /// Due leases per part of the store ([`Backend::extend_group`]).
+    parts: HashMap<u64, Part>,
     /// The generation of the live task, if one runs.
     running: Option<u64>,
     /// When the sleeping task will look again (`None` while it works on a round): a new
-    /// lease wakes it only if it is due earlier, so registering n leases costs O(n).
+    /// lease wakes it only if it is due earlier, so registering n leases costs O(n log n).
     wake_at: Option<Instant>,
     generations: u64,
     stats: WatchdogStats,
+}
+
+impl Registry {
+    fn wait(&mut self, id: u64, due: Instant) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.phase = Phase::Waiting;
+            e.next_due = to_nanos(due);
+            self.due.push(Reverse((e.next_due, id)));
+        }
+    }
+
+    fn count_lost(&mut self, id: u64, why: &str) {
+        if let Some(e) = self.entries.remove(id) {
+            let _span = tracing::info_span!("redlease.lost", key = %e.key).entered();
+            tracing::warn!("lease lost: {why}");
+            crate::telemetry::lost();
+            e.state.mark_lost();
+            self.stats.lost += 1;
+        }
+    }
+
+    /// Starts a round if the first waiting lease is due: moves it, and the leases due
+    /// within their lookahead, to their parts' queues.
+    fn take_due(&mut self, now: Instant, backend: &dyn Backend) {
+        let now_ns = to_nanos(now);
+        let mut round = false;
+        while let Some(&Reverse((due, id))) = self.due.peek() {
+            let Some(e) = self.entries.get_mut(id) else {
+                self.due.pop();
+                continue;
+            };
+            if e.phase != Phase::Waiting || e.next_due != due {
+                self.due.pop();
+                continue;
+            }
+            let lookahead = if round {
+                e.interval / u64::from(LOOKAHEAD_DIV)
+            } else {
+                0
+            };
+            if due > now_ns.saturating_add(lookahead) {
+                break;
+            }
+            round = true;
+            self.due.pop();
+            if e.state.check_lost() {
+                // Its deadline passed without a confirmed extension (or a max_hold ran out);
+                // a guard dropped first is unregistered and never seen here.
+                self.count_lost(id, "no confirmed extension before its deadline");
+                continue;
+            }
+            e.phase = Phase::Ready;
+            let deadline = to_nanos(e.state.deadline());
+            let part = backend.extend_group(&e.key);
+            self.parts
+                .entry(part)
+                .or_default()
+                .ready
+                .push(Reverse((deadline, id)));
+        }
+    }
+
+    /// Every held lease is sent now (the store may have lost leases: a reconnect, a restart):
+    /// those waiting go to their parts' queues, those on their way are sent again once
+    /// answered.
+    fn take_all(&mut self, backend: &dyn Backend) {
+        let mut ready = Vec::new();
+        for (id, e) in self.entries.iter_mut() {
+            match e.phase {
+                Phase::Waiting => {
+                    e.phase = Phase::Ready;
+                    ready.push((
+                        backend.extend_group(&e.key),
+                        to_nanos(e.state.deadline()),
+                        id,
+                    ));
+                }
+                Phase::InFlight { .. } => e.phase = Phase::InFlight { recheck: true },
+                Phase::Ready => {}
+            }
+        }
+        for (part, deadline, id) in ready {
+            self.parts
+                .entry(part)
+                .or_default()
+                .ready
+                .push(Reverse((deadline, id)));
+        }
+    }
+
+    /// The calls to send now: while a part has due leases and room in its window, one more
+    /// call of its earliest deadlines.
+    fn fill_windows(&mut self, now: Instant) -> Vec<(u64, Vec<Due>)> {
+        let mut calls = Vec::new();
+        let Registry { entries, parts, .. } = self;
+        let (mut lost, mut parked) = (Vec::new(), Vec::new());
+        for (&part_id, part) in parts.iter_mut() {
+            while part.in_flight < part.window && !part.ready.is_empty() {
+                let mut due = Vec::new();
+                while due.len() < CALL_LEASES {
+                    let Some(Reverse((_, id))) = part.ready.pop() else {
+                        break;
+                    };
+                    let Some(e) = entries.get_mut(id) else {
+                        continue;
+                    };
+                    if e.phase != Phase::Ready {
+                        continue;
+                    }
+                    if e.state.check_lost() {
+                        lost.push(id);
+                        continue;
+                    }
+                    // A capped hold gets extensions that end at the cap; once too little is
+                    // left, none, and the lease runs out.
+                    let left = e.hold_until().map(|u| u.saturating_duration_since(now));
+                    if left.is_some_and(|l| l < MIN_TTL) {
+                        let deadline = e.state.deadline();
+                        if e.next_due < to_nanos(deadline) {
+                            tracing::info!(key = %e.key, "max_hold reached: the lease is no longer extended");
+                        }
+                        // Looked at again at its deadline, when it is lost.
+                        parked.push((id, deadline));
+                        continue;
+                    }
+                    e.phase = Phase::InFlight { recheck: false };
+                    due.push(Due {
+                        id,
+                        key: e.key.clone(),
+                        token: e.token.clone(),
+                        ttl: left.map_or(e.ttl(), |l| e.ttl().min(l)),
+                        deadline: e.state.deadline(),
+                    });
+                }
+                if due.is_empty() {
+                    break;
+                }
+                part.in_flight += 1;
+                calls.push((part_id, due));
+            }
+        }
+        // (A part keeps its window while it has work: an idle one starts small again.)
+        parts.retain(|_, p| p.in_flight > 0 || !p.ready.is_empty());
+        for (id, deadline) in parked {
+            self.wait(id, deadline);
+        }
+        for id in lost {
+            self.count_lost(id, "no confirmed extension before its deadline");
+        }
+        calls
+    }
+
+    /// A call of `part` was answered: one call fewer in flight, and the window adjusted (see
+    /// [`WINDOW_MIN`]): wider when the earliest due lease has less than half its TTL left,
+    /// narrower when nothing waits.
+    fn pace(&mut self, part: u64) {
+        let Some(p) = self.parts.get_mut(&part) else {
+            return;
+        };
+        p.in_flight = p.in_flight.saturating_sub(1);
+        let behind = p.ready.peek().is_some_and(|Reverse((deadline, id))| {
+            self.entries.get(*id).is_some_and(|e| {
+                let left = deadline.saturating_sub(to_nanos(Instant::now()));
+                left < e.ttl / 2
+            })
+        });
+        if behind {
+            p.window = (p.window * 2).min(WINDOW_MAX);
+        } else if p.ready.is_empty() {
+            p.window = p.window.saturating_sub(1).max(WINDOW_MIN);
+        }
+    }
+
+    /// After the task ended: nothing is on its way or queued any more; every lease waits.
+    fn reset(&mut self) {
+        self.parts.clear();
+        self.due.clear();
+        for (id, e) in self.entries.iter_mut() {
+            e.phase = Phase::Waiting;
+            self.due.push(Reverse((e.next_due, id)));
+        }
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 struct Shared {
@@ -254,13 +587,17 @@ struct Registration {
 impl Registration {
     fn set_ttl(&self, ttl: Duration) {
         let mut reg = self.shared.registry();
-        let Some(e) = reg.entries.get_mut(&self.id) else {
+        let Some(e) = reg.entries.get_mut(self.id) else {
             return;
         };
-        e.ttl = ttl;
-        e.interval = e.interval.min(ttl / 3);
-        e.next_due = Instant::now() + e.interval;
-        let next_due = e.next_due;
+        e.ttl = nanos(ttl);
+        e.interval = e.interval.min(nanos(ttl / 3));
+        if e.phase != Phase::Waiting {
+            // On its way or queued: its answer sets the next due time from the new interval.
+            return;
+        }
+        let next_due = Instant::now() + e.interval();
+        reg.wait(self.id, next_due);
         if reg.wake_at.is_some_and(|at| next_due < at) {
             drop(reg);
             self.shared.wake.notify(1);
@@ -270,7 +607,7 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.shared.registry().entries.remove(&self.id);
+        self.shared.registry().entries.remove(self.id);
     }
 }
 
@@ -351,22 +688,18 @@ impl Watchdog {
         state: Arc<LeaseState>,
     ) -> Registration {
         let mut reg = self.shared.registry();
-        let id = reg.next_id;
-        reg.next_id += 1;
         let next_due = Instant::now() + interval;
-        reg.entries.insert(
-            id,
-            Entry {
-                key,
-                token,
-                ttl,
-                interval,
-                next_due,
-                state,
-                hold_until,
-                in_flight: false,
-            },
-        );
+        let id = reg.entries.insert(Entry {
+            key,
+            token,
+            state,
+            ttl: nanos(ttl),
+            interval: nanos(interval),
+            next_due: to_nanos(next_due),
+            hold_until: hold_until.map_or(0, |u| to_nanos(u).max(1)),
+            phase: Phase::Waiting,
+        });
+        reg.due.push(Reverse((to_nanos(next_due), id)));
         let wake = reg.wake_at.is_some_and(|at| next_due < at);
         let start = reg.running.is_none().then(|| {
             reg.generations += 1;
@@ -425,10 +758,9 @@ impl Drop for Running {
             return;
         }
         reg.running = None;
-        // Its calls on their way went with it: the next task sends those leases again.
-        for e in reg.entries.values_mut() {
-            e.in_flight = false;
-        }
+        // Its calls on their way and its queues went with it: the next task sends those
+        // leases again.
+        reg.reset();
         // A task that panicked (a store's bug) is started again after a pause, if leases
         // are held: a registration made while it unwound saw it running and started none.
         // (A task dropped by a runtime shutting down is not: it would be dropped again.)
@@ -459,131 +791,94 @@ const LINGER: Duration = Duration::from_secs(10);
 /// An extension call on its way: the leases it carries and when it was sent.
 type Call = futures::future::BoxFuture<'static, Answered>;
 
-/// An extension call's answer: `None` if a lease's deadline came first.
+/// An extension call's answer: `None` if every lease's deadline came first.
 struct Answered {
+    part: u64,
     due: Vec<Due>,
     started: Instant,
     result: Option<crate::Result<Vec<Extended>>>,
 }
 
-/// The watchdog task. Each round takes the leases due, sends them in one call per part of
-/// the store ([`Backend::extend_group`]), and goes on: each call's answer is applied when it
-/// comes, while the next leases fall due and are sent, so a part that does not answer (a
-/// paused primary) holds up only its own leases, which are not sent again meanwhile.
+/// The watchdog task. A round starts when the first lease falls due and takes the leases due
+/// soon after it ([`LOOKAHEAD_DIV`]) into their parts' queues ([`Backend::extend_group`]);
+/// each part sends its queue in deadline order, a few calls at a time ([`WINDOW`]), and each
+/// call's answer is applied when it comes, which frees room for the next. So a round of a
+/// million leases is paced by the server's answers, a short lease is sent before the long
+/// ones due with it, and a part that does not answer (a paused primary) holds up only its
+/// own leases, which are not sent again meanwhile. When the store says it may have lost
+/// leases ([`Backend::disturbed`]: a reconnect), every lease is sent at once.
 async fn run(running: Running) {
+    use futures::StreamExt;
     let shared = &running.shared;
+    let backend = &*shared.backend;
     let mut idle_since: Option<Instant> = None;
     let mut calls: futures::stream::FuturesUnordered<Call> = Default::default();
+    let mut disturbed = backend.disturbed();
     loop {
         let wake = shared.wake.listen();
         let now = Instant::now();
-        let mut due = Vec::new();
-        let next_wake = {
+        let (sends, next_wake) = {
             let mut reg = shared.registry();
-            let before = reg.entries.len();
-            reg.entries.retain(|_, e| {
-                let lost = e.state.check_lost();
-                if lost {
-                    // Its deadline passed without a confirmed extension (or a max_hold ran
-                    // out); a guard dropped first is unregistered and never seen here.
-                    let _span = tracing::info_span!("redlease.lost", key = %e.key).entered();
-                    tracing::warn!("lease lost: no confirmed extension before its deadline");
-                    crate::telemetry::lost();
+            reg.take_due(now, backend);
+            let sends = reg.fill_windows(now);
+            let next_due = reg
+                .due
+                .peek()
+                .map(|Reverse((due, _))| epoch() + Duration::from_nanos(*due));
+            let next_wake = if reg.entries.is_empty() && calls.is_empty() {
+                let since = *idle_since.get_or_insert(now);
+                if now >= since + LINGER {
+                    // Cleared under the lock that saw the registry empty: a registration
+                    // after it starts a new task.
+                    reg.running = None;
+                    reg.wake_at = None;
+                    return;
                 }
-                !lost
-            });
-            reg.stats.lost += (before - reg.entries.len()) as u64;
-            let waiting = reg.entries.values().filter(|e| !e.in_flight);
-            match waiting.map(|e| e.next_due).min() {
-                None if reg.entries.is_empty() => {
-                    let since = *idle_since.get_or_insert(now);
-                    if now >= since + LINGER {
-                        // Cleared under the lock that saw the registry empty: a registration
-                        // after it starts a new task. A call still on its way is dropped:
-                        // nobody holds its leases any more.
-                        reg.running = None;
-                        reg.wake_at = None;
-                        return;
-                    }
-                    // Idle: a registration wakes the task only if due before the linger ends.
-                    reg.wake_at = Some(since + LINGER);
-                    since + LINGER
-                }
-                None => {
-                    // Every lease is on its way: their answers (or deadlines) wake the task.
-                    idle_since = None;
-                    let later = now + LINGER;
-                    reg.wake_at = Some(later);
-                    later
-                }
-                Some(first_due) => {
-                    idle_since = None;
-                    // A round starts when the first lease is due, and takes along every lease
-                    // due within half its interval: leases acquired at different moments fall
-                    // into the same round after their first extension.
-                    if first_due <= now {
-                        for (&id, e) in reg.entries.iter_mut() {
-                            if !e.in_flight && e.next_due <= now + e.interval / 2 {
-                                // A capped hold gets extensions that end at the cap; once
-                                // too little is left, none, and the lease runs out.
-                                let left = e.hold_until.map(|u| u.saturating_duration_since(now));
-                                if left.is_some_and(|l| l < MIN_TTL) {
-                                    let deadline = e.state.deadline();
-                                    if e.next_due < deadline {
-                                        tracing::info!(key = %e.key, "max_hold reached: the lease is no longer extended");
-                                    }
-                                    // Looked at again at its deadline, when it is lost.
-                                    e.next_due = deadline;
-                                    continue;
-                                }
-                                e.in_flight = true;
-                                due.push(Due {
-                                    id,
-                                    key: e.key.clone(),
-                                    token: e.token.clone(),
-                                    ttl: left.map_or(e.ttl, |l| e.ttl.min(l)),
-                                    deadline: e.state.deadline(),
-                                });
-                            }
-                        }
-                    }
-                    reg.wake_at = due.is_empty().then_some(first_due);
-                    first_due
-                }
-            }
+                // Idle: a registration wakes the task only if due before the linger ends.
+                since + LINGER
+            } else {
+                idle_since = None;
+                // With nothing waiting, the calls' answers (or their deadlines) wake the task.
+                next_due.unwrap_or(now + LINGER)
+            };
+            reg.wake_at = sends.is_empty().then_some(next_wake);
+            (sends, next_wake)
         };
-        if !due.is_empty() {
-            let mut groups: HashMap<u64, Vec<Due>> = HashMap::new();
-            for d in due {
-                groups
-                    .entry((*shared.backend).extend_group(&d.key))
-                    .or_default()
-                    .push(d);
-            }
-            for group in groups.into_values() {
-                calls.push(Box::pin(call(shared.backend.clone(), group)));
+        if !sends.is_empty() {
+            for (part, due) in sends {
+                calls.push(Box::pin(call(shared.backend.clone(), part, due)));
             }
             continue;
         }
         let timer = std::pin::pin!(runtime::sleep_until(next_wake));
         let wait = future::select(wake, timer);
-        if calls.is_empty() {
-            wait.await;
-            continue;
-        }
-        use futures::StreamExt;
-        if let future::Either::Left((Some(answered), _)) = future::select(calls.next(), wait).await
-        {
-            apply(shared, answered);
+        let answer = async {
+            match calls.next().await {
+                Some(answered) => answered,
+                None => future::pending().await,
+            }
+        };
+        match future::select(std::pin::pin!(answer), future::select(wait, &mut disturbed)).await {
+            future::Either::Left((answered, _)) => apply(shared, answered),
+            future::Either::Right((future::Either::Right(_), _)) => {
+                // Listen again before the leases are sent, so a disturbance during the
+                // check is not missed.
+                disturbed = backend.disturbed();
+                tracing::info!("the store may have lost leases: checking every lease now");
+                shared.registry().take_all(backend);
+            }
+            future::Either::Right((future::Either::Left(_), _)) => {}
         }
     }
 }
 
-/// Sends one part's due leases in one call, cut short at the earliest of their deadlines:
-/// the lost signal must not wait on a hung call.
-async fn call(backend: Arc<dyn Backend>, due: Vec<Due>) -> Answered {
+/// Sends one part's leases in one call. The call is waited for until the last of their
+/// deadlines, never cut earlier, so that a lease is never sent again while a copy may still
+/// run; a lease whose deadline passes meanwhile is lost by its own timer (see
+/// [`LeaseState::lost`]).
+async fn call(backend: Arc<dyn Backend>, part: u64, due: Vec<Due>) -> Answered {
     let started = Instant::now();
-    let earliest = due.iter().map(|d| d.deadline).min();
+    let latest = due.iter().map(|d| d.deadline).max();
     let result = {
         let leases: Vec<Lease<'_>> = due
             .iter()
@@ -597,10 +892,11 @@ async fn call(backend: Arc<dyn Backend>, due: Vec<Due>) -> Answered {
         let extending = (*backend)
             .extend(&leases, NodeTerms::new())
             .instrument(span);
-        runtime::until(earliest, extending).await
+        runtime::until(latest, extending).await
     };
     crate::telemetry::watchdog_round(started.elapsed());
     Answered {
+        part,
         due,
         started,
         result,
@@ -610,28 +906,31 @@ async fn call(backend: Arc<dyn Backend>, due: Vec<Due>) -> Answered {
 /// Applies one call's answer to the leases it carried (those still registered).
 fn apply(shared: &Shared, answered: Answered) {
     let Answered {
+        part,
         due,
         started,
         result,
     } = answered;
     let mut reg = shared.registry();
     reg.stats.rounds += 1;
-    for d in &due {
-        if let Some(e) = reg.entries.get_mut(&d.id) {
-            e.in_flight = false;
-        }
-    }
+    reg.pace(part);
+    let now = Instant::now();
+    // The next due time of a lease answered `Held`, unless a disturbance asked for a check.
+    let next = |e: &Entry, held: Instant| match e.phase {
+        Phase::InFlight { recheck: true } => now,
+        _ => held,
+    };
     match result {
         Some(Ok(outcomes)) => {
             let mut failed = 0;
-            let retry_at = Instant::now();
             for (d, outcome) in due.iter().zip(outcomes) {
-                let Some(e) = reg.entries.get_mut(&d.id) else {
+                let Some(e) = reg.entries.get(d.id) else {
                     continue;
                 };
                 match outcome {
                     Extended::Held(v) if e.state.confirm(started, v) => {
-                        e.next_due = started + e.interval;
+                        let due_at = next(e, started + e.interval());
+                        reg.wait(d.id, due_at);
                         reg.stats.extended += 1;
                     }
                     Extended::Failed(err) => {
@@ -642,17 +941,10 @@ fn apply(shared: &Shared, answered: Answered) {
                             tracing::warn!(key = %d.key, error = %err, "lease extension failed; retrying");
                         }
                         failed += 1;
-                        e.next_due = retry_at + retry_after(e.interval);
+                        let due_at = now + retry_after(e.interval());
+                        reg.wait(d.id, due_at);
                     }
-                    _ => {
-                        // Refused, or confirmed only after the deadline had passed.
-                        let _span = tracing::info_span!("redlease.lost", key = %d.key).entered();
-                        tracing::warn!("lease lost: extension refused or too late");
-                        crate::telemetry::lost();
-                        e.state.mark_lost();
-                        reg.entries.remove(&d.id);
-                        reg.stats.lost += 1;
-                    }
+                    _ => reg.count_lost(d.id, "extension refused or too late"),
                 }
             }
             if failed > 1 {
@@ -664,13 +956,13 @@ fn apply(shared: &Shared, answered: Answered) {
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "watchdog extension failed; retrying")
                 }
-                _ => tracing::warn!("watchdog extension timed out at a lease deadline"),
+                _ => tracing::warn!("watchdog extension timed out at the leases' deadlines"),
             }
-            let retry_at = Instant::now();
             for d in &due {
-                if let Some(e) = reg.entries.get_mut(&d.id) {
+                if let Some(e) = reg.entries.get(d.id) {
                     e.state.unconfirmed(started, d.ttl);
-                    e.next_due = retry_at + retry_after(e.interval);
+                    let due_at = now + retry_after(e.interval());
+                    reg.wait(d.id, due_at);
                 }
             }
         }

@@ -54,16 +54,12 @@ async fn thousand_leases_cost_a_few_round_trips_per_tick() {
         extended >= 2 * LEASES as u64,
         "every lease extended each round: {extended}"
     );
-    // All leases ride in the same rounds...
+    // Leases ride together: a call carries the leases due within a quarter of their interval
+    // (acquired close together), and a script call extends up to 256 of them; so the cost
+    // follows rounds, not leases: not one script call per extension.
     assert!(
-        extended / rounds >= LEASES as u64 / 2,
-        "{extended} extensions in {rounds} rounds"
-    );
-    // ...and one round is ceil(1000 / 256) = 4 pipelined script calls, not 1000 (one more
-    // round may straddle the start of the window).
-    assert!(
-        cmds <= (rounds + 1) * 4,
-        "{cmds} script calls for {rounds} rounds"
+        extended / rounds.max(1) >= 50 && extended / cmds.max(1) >= 50,
+        "{extended} extensions in {rounds} calls, {cmds} script calls"
     );
     assert_eq!(after.leases, LEASES);
     assert!(guards.iter().all(|g| !g.is_lost()));
@@ -91,7 +87,8 @@ async fn memory_backend_batches_the_same_way() {
     tokio::time::sleep(Duration::from_millis(700)).await;
     let s = locks.watchdog_stats();
     assert!(
-        s.rounds >= 1 && s.extended / s.rounds >= LEASES as u64 / 2,
+        // A call carries up to 256 leases: not a call per lease.
+        s.rounds >= 1 && s.extended / s.rounds >= 100,
         "{s:?}"
     );
     assert!(guards.iter().all(|g| !g.is_lost()));
