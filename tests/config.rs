@@ -373,3 +373,68 @@ async fn a_reconnect_that_finds_an_evicting_policy_refuses_new_acquires() {
     let tombstones = lock.key().derived("abandoned");
     assert_eq!(srv.cmd(&["EXISTS", &tombstones]).as_int(), Some(0));
 }
+
+/// A policy changed at run time, with no reconnect (`CONFIG SET` on the live server): the
+/// holders are told (their leases may be evicted without a word, so none can be guaranteed)
+/// and new acquires are refused, long before the next extension round would have looked
+/// (the leases' TTL is a minute: their first round is 20 s away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_policy_set_at_run_time_tells_holders_and_refuses_acquires() {
+    let srv = RedisServer::start();
+    let opts = LockOptions::new().ttl(Duration::from_secs(60));
+    let backend = connect_bounded(&srv.url(), RedisOptions::new())
+        .await
+        .unwrap();
+    let locks = LockManager::with_options(backend, opts).unwrap();
+    let mut guards = Vec::new();
+    for i in 0..20 {
+        let g = locks.lock(&format!("evict:{i}")).try_acquire().await;
+        guards.push(g.unwrap().expect("free"));
+    }
+
+    srv.cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    let all_lost = futures::future::join_all(guards.iter().map(|g| g.lost()));
+    tokio::time::timeout(Duration::from_secs(10), all_lost)
+        .await
+        .expect("every holder is told once the policy may evict its lease");
+    policy_refusal(locks.lock("evict:new").try_acquire().await, "allkeys-lru");
+    assert_eq!(locks.watchdog_stats().lost, 20);
+
+    // Fixed on the live server: acquires work again without a reconnect.
+    srv.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    let works =
+        until(|| async { matches!(locks.lock("evict:new").try_acquire().await, Ok(Some(_))) })
+            .await;
+    assert!(works, "acquires work again once the policy is noeviction");
+}
+
+/// With eviction accepted, a policy changed at run time loses nobody's lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_eviction_policy_set_at_run_time_loses_nothing() {
+    let srv = RedisServer::start();
+    let opts = LockOptions::new().ttl(Duration::from_millis(600));
+    let backend = connect_bounded(&srv.url(), RedisOptions::new().allow_eviction(true))
+        .await
+        .unwrap();
+    let locks = LockManager::with_options(backend, opts).unwrap();
+    let g = locks
+        .lock("evict:ok")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    srv.cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    let before = locks.watchdog_stats().extended;
+    let extended = support::wait_for_async(Duration::from_secs(10), || {
+        locks.watchdog_stats().extended >= before + 3
+    })
+    .await;
+    assert!(extended, "{:?}", locks.watchdog_stats());
+    assert!(!g.is_lost());
+    assert!(locks
+        .lock("evict:new")
+        .try_acquire()
+        .await
+        .unwrap()
+        .is_some());
+}

@@ -750,6 +750,52 @@ async fn fencing_tokens_strictly_increase_across_restarts_without_persistence() 
     );
 }
 
+/// A server restarted without persistence comes back empty: every lease on it is gone. The
+/// reconnect is told to the watchdog, which checks every lease at once, so the holders of a
+/// semaphore's permits are told right away, not at their next round (a minute's TTL: 20 s
+/// away), while another client may already take the permits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_without_persistence_tells_holders_at_the_reconnect() {
+    let mut srv = RedisServer::start();
+    let m = manager(&srv, LockOptions::new().ttl(secs(60))).await;
+    let pool = m.semaphore("restart-pool", 3).expect("semaphore");
+    let mut permits = Vec::new();
+    for _ in 0..3 {
+        permits.push(pool.try_acquire().await.expect("attempt").expect("free"));
+    }
+    let plain = m
+        .lock("restart-plain")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let rounds = m.watchdog_stats().rounds;
+
+    srv.restart();
+    let all_lost = future::join_all(permits.iter().chain([&plain]).map(|g| g.lost()));
+    tokio::time::timeout(secs(10), all_lost)
+        .await
+        .expect("holders of leases the restart wiped out are told at the reconnect");
+    assert_eq!(m.watchdog_stats().lost, 4);
+    assert!(
+        m.watchdog_stats().rounds > rounds,
+        "found by an extension call"
+    );
+
+    // A lease taken after the restart is kept (the check loses only what is gone).
+    // A reconnect to the same server is checked the same way, and loses nothing.
+    let g = try_acquire_until_ok(&m.lock("restart-after"), secs(10), false).await;
+    let extended = m.watchdog_stats().extended;
+    srv.kill_clients();
+    let m2 = m.clone();
+    assert!(
+        wait_for_async(secs(10), move || m2.watchdog_stats().extended > extended).await,
+        "{:?}",
+        m.watchdog_stats()
+    );
+    assert!(!g.is_lost(), "a reconnect to the same server loses nothing");
+}
+
 // ---------------------------------------------------------------------------------------
 // 7. Server paused (SIGSTOP): calls fail within the command timeout, then work again.
 // ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ use fred::interfaces::ClientLike;
 use fred::prelude::Client;
 use fred::types::scripts::Script;
 use fred::types::{FromValue, Key, Value};
+use futures::future::BoxFuture;
 
 use crate::backend::{
     Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Extended, Lease, NodeTerms, Release,
@@ -108,6 +109,9 @@ struct Inner {
     acks: Option<acks::Acks>,
     /// Remakes the connection when the server turns out to be a replica.
     demoted: connect::Demoted,
+    /// Notified after each reconnect, and when the eviction policy turns to a refused one:
+    /// see [`Backend::disturbed`].
+    disturbance: Arc<event_listener::Event>,
 }
 
 struct Scripts {
@@ -367,6 +371,15 @@ impl Backend for RedisBackend {
     /// call of their own.
     fn extend_group(&self, key: &LeaseKey) -> u64 {
         self.shards.as_ref().map_or(0, |s| s.group(key.as_str()))
+    }
+
+    /// After a reconnect (of any primary, on a cluster), and when the eviction policy turns
+    /// to one that may evict leases (unless that is accepted).
+    fn disturbed(&self) -> BoxFuture<'static, ()> {
+        match &self.shards {
+            Some(shards) => shards.disturbed(),
+            None => Box::pin(self.inner.disturbance.listen()),
+        }
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {

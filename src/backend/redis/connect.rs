@@ -423,6 +423,10 @@ impl RedisBackend {
         let all = scripts.all();
         let reloader = client.clone();
         let watched = policy.clone();
+        // Told to the watchdog after each reconnect (see `Backend::disturbed`): the server
+        // may have restarted empty, or be another one.
+        let disturbance = Arc::new(event_listener::Event::new());
+        let disturb = disturbance.clone();
         // The connection tasks and this listener run where `init` runs them: on the
         // caller's tokio runtime, or the crate's own one.
         // (Read from fred's channel here, not through `on_reconnect`, whose loop ends for good
@@ -434,10 +438,9 @@ impl RedisBackend {
                     counted.fetch_add(1, Ordering::AcqRel);
                     let loads = all.iter().map(|s| s.load(&reloader));
                     let _ = futures::future::join_all(loads).await;
-                    let info = reloader.info::<String>(Some(InfoKind::Memory)).await;
-                    if let Ok(info) = info {
-                        watched.observe(&info);
-                    }
+                    watched.read(&reloader).await;
+                    // After the scripts and the policy: the check that follows finds both.
+                    disturb.notify(usize::MAX);
                 }
             }));
         })
@@ -473,18 +476,24 @@ impl RedisBackend {
             // is told at connect (a lazy backend checks at its first wait).
             Box::pin(pubsub.connect()).await;
         }
+        let inner = Arc::new(Inner {
+            client,
+            scripts,
+            pubsub,
+            clustered,
+            ops: Batcher::default(),
+            policy,
+            acks: super::acks::Acks::new(ack, reconnects),
+            demoted: Demoted::default(),
+            disturbance,
+        });
+        if !inner.policy.allowed {
+            let watched = Arc::downgrade(&inner);
+            in_tokio(async move { drop(tokio::spawn(watch_policy(watched))) }).await;
+        }
         Ok(RedisBackend {
             shards: None,
-            inner: Arc::new(Inner {
-                client,
-                scripts,
-                pubsub,
-                clustered,
-                ops: Batcher::default(),
-                policy,
-                acks: super::acks::Acks::new(ack, reconnects),
-                demoted: Demoted::default(),
-            }),
+            inner,
         })
     }
 
@@ -536,6 +545,29 @@ impl Demoted {
     }
 }
 
+/// How often a backend that refuses an evicting server reads the server's eviction policy
+/// when nothing else does (the watchdog's extension calls read it too, see
+/// [`Policy::read_in`]): a policy changed at run time is seen within this long.
+pub(super) const POLICY_EVERY: Duration = Duration::from_secs(1);
+
+/// A policy read this recently is not read again by an extension call.
+const POLICY_FRESH: Duration = Duration::from_millis(100);
+
+/// Reads the server's eviction policy every [`POLICY_EVERY`] while the backend lives; when
+/// it turns evicting, the watchdog is told (`Backend::disturbed`), whose check of every lease
+/// then finds them lost.
+async fn watch_policy(inner: std::sync::Weak<Inner>) {
+    loop {
+        tokio::time::sleep(POLICY_EVERY).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        if inner.policy.read(&inner.client).await {
+            inner.disturbance.notify(usize::MAX);
+        }
+    }
+}
+
 /// The server's eviction policy as last read, and whether an evicting one is accepted.
 pub(super) struct Policy {
     allowed: bool,
@@ -543,6 +575,8 @@ pub(super) struct Policy {
     refusing: AtomicBool,
     /// The policy last read.
     name: Mutex<String>,
+    /// When it was last read.
+    read_at: Mutex<Option<Instant>>,
 }
 
 impl Policy {
@@ -551,12 +585,52 @@ impl Policy {
             allowed,
             refusing: AtomicBool::new(false),
             name: Mutex::new(String::new()),
+            read_at: Mutex::new(None),
         }
+    }
+
+    /// Reads the policy (`INFO memory`) on `client`, within a second; `true` if it has just
+    /// turned to one that is refused. A server that does not answer changes nothing.
+    pub(super) async fn read(&self, client: &Client) -> bool {
+        let was = self.refusing();
+        let info =
+            tokio::time::timeout(POLICY_EVERY, client.info::<String>(Some(InfoKind::Memory))).await;
+        if let Ok(Ok(info)) = info {
+            self.observe(&info);
+        }
+        !was && self.refusing()
+    }
+
+    /// For an extension call: reads the policy (in a tokio context) unless it was read in
+    /// the last [`POLICY_FRESH`] or an evicting server is accepted, so that a policy changed
+    /// at run time is seen by the next round; `true` while a refused policy holds.
+    pub(super) async fn read_in(&self, client: &Client) -> bool {
+        if self.allowed {
+            return false;
+        }
+        let stale = {
+            let mut at = self.read_at.lock().unwrap_or_else(|p| p.into_inner());
+            let stale = at.is_none_or(|t| t.elapsed() >= POLICY_FRESH);
+            if stale {
+                *at = Some(Instant::now());
+            }
+            stale
+        };
+        if stale {
+            in_tokio(self.read(client)).await;
+        }
+        self.refusing()
+    }
+
+    /// Whether the server's policy, as last read, may evict keys and that is not accepted.
+    pub(super) fn refusing(&self) -> bool {
+        self.refusing.load(Ordering::Acquire)
     }
 
     /// Takes note of the policy in `info` (an `INFO memory` reply); a reply that does not
     /// say changes nothing (an ACL refusing INFO lets the server through unchecked).
     fn observe(&self, info: &str) {
+        *self.read_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         let Some(policy) = info
             .lines()
             .find_map(|l| l.strip_prefix("maxmemory_policy:"))

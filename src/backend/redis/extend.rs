@@ -63,8 +63,20 @@ impl RedisBackend {
                     (idx, reply)
                 })
         });
-        // Every kind at once: one round trip for the round, not one per kind.
-        let replies = futures::future::join_all(calls).await;
+        // Every kind at once: one round trip for the round, not one per kind; and the
+        // server's eviction policy beside them (at most every 100 ms), so that a policy
+        // changed at run time is seen by the next round.
+        let (replies, evicting) = futures::join!(
+            futures::future::join_all(calls),
+            self.inner.policy.read_in(&self.inner.client)
+        );
+        if evicting {
+            // Any lease may be evicted now without a word: none can be guaranteed.
+            tracing::warn!(
+                "the Redis server's maxmemory-policy may evict leases now: every lease on it is lost"
+            );
+            return Ok(leases.iter().map(|_| Extended::Gone).collect());
+        }
         let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
         // A lease answered READONLY: the server is a replica now.
         let mut demoted = false;

@@ -414,6 +414,19 @@ impl Shards {
         RedisBackend::open_node(config, self.options.clone(), wait, true).await
     }
 
+    /// Resolves when any primary's backend connected so far is disturbed (see
+    /// `Backend::disturbed`).
+    pub(super) fn disturbed(&self) -> futures::future::BoxFuture<'static, ()> {
+        use crate::backend::Backend;
+        let nodes: Vec<_> = lock(&self.nodes).values().map(|n| n.disturbed()).collect();
+        if nodes.is_empty() {
+            return Box::pin(futures::future::pending());
+        }
+        Box::pin(async move {
+            futures::future::select_all(nodes).await;
+        })
+    }
+
     /// A backend of one of the primaries (the one `connect` asked first).
     pub(super) fn first(&self) -> Result<RedisBackend> {
         lock(&self.nodes)
