@@ -439,6 +439,44 @@ async fn main() {
         .unwrap();
     }
 
+    // W5 at scale: 10k, 100k and a million leases held in one manager (TTL 30 s) while 64
+    // tasks of the same manager acquire and release: memory per lease, CPU on both sides,
+    // leases lost, and the churn's rate beside its rate at 10k leases. A server of its own
+    // per row. The million row only in full runs (or `--only W5M`): acquiring it takes
+    // about a minute.
+    if plan.runs("W5M") && (!plan.quick || plan.only.is_some()) {
+        eprintln!("W5M");
+        let sizes: &[usize] = if plan.quick {
+            &[10_000, 100_000]
+        } else {
+            &[10_000, 100_000, 1_000_000]
+        };
+        let window = plan.w5_window * 4;
+        writeln!(md, "## W5 at scale: leases held in one manager (TTL 30 s) while 64 tasks acquire and release, over {window:?}\n\n| leases | acquire all (1000 concurrent) | client memory per lease | client CPU | Redis CPU | Redis script calls/s | watchdog calls | churn cycles/s | churn vs 10k | lost |\n|---|---|---|---|---|---|---|---|---|---|").unwrap();
+        let mut base = None;
+        for &n in sizes {
+            let node = RedisServer::start();
+            let (h, churn) =
+                workloads::w5_churn(&node.url(), &node, n, Duration::from_secs(30), window, 64)
+                    .await;
+            let base = *base.get_or_insert(churn);
+            writeln!(
+                md,
+                "| {n} | {} | {:.0} B | {:.1} % of a core | {:.1} % of a core | {:.1} | {} | {churn:.0} | {:.2}x | {} |",
+                ms(h.acquire_time),
+                h.bytes_per_lease,
+                h.client_cpu_share * 100.0,
+                h.redis_cpu_share * 100.0,
+                h.scripts_per_sec,
+                h.rounds,
+                churn / base,
+                h.lost
+            )
+            .unwrap();
+        }
+        writeln!(md).unwrap();
+    }
+
     // W7: W2 on a Redis Cluster of three primaries, one replica each: without and with one
     // replica's acknowledgement.
     if plan.runs("W7") {

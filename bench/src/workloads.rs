@@ -287,6 +287,20 @@ pub struct Held {
 /// W5: `n` leases held at once under the watchdog (ttl `ttl`, extended every ttl/3) for
 /// `window`.
 pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: Duration) -> Held {
+    w5_churn(url, srv, n, ttl, window, 0).await.0
+}
+
+/// W5 at scale: as [`w5`], while `tasks` tasks of the same manager acquire and release locks
+/// of their own (16 rotating keys each) for the whole window; also returns the churn's
+/// cycles per second.
+pub async fn w5_churn(
+    url: &str,
+    srv: &RedisServer,
+    n: usize,
+    ttl: Duration,
+    window: Duration,
+    tasks: usize,
+) -> (Held, f64) {
     let backend = redlease::RedisBackend::connect(url).await.expect("connect");
     let locks = redlease::LockManager::with_options(backend, redlease::LockOptions::new().ttl(ttl))
         .expect("opts");
@@ -311,8 +325,33 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
         locks.watchdog_stats().rounds,
     );
     let t0 = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn: Vec<_> = (0..tasks)
+        .map(|t| {
+            let (locks, stop) = (locks.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut cycles = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let lock = locks.lock(&format!("w5c:{run}:{t}:{}", cycles % 16));
+                    match lock.acquire().await {
+                        Ok(g) => {
+                            let _ = g.release().await;
+                            cycles += 1;
+                        }
+                        Err(e) => eprintln!("W5 churn: {e}"),
+                    }
+                }
+                cycles
+            })
+        })
+        .collect();
     tokio::time::sleep(window).await;
+    stop.store(true, Ordering::Relaxed);
     let wall = t0.elapsed().as_secs_f64();
+    let mut cycles = 0;
+    for c in churn {
+        cycles += c.await.unwrap_or(0);
+    }
     let (cpu1, calls1, rcpu1, rounds1) = (
         stats::process_cpu(),
         srv.script_calls(),
@@ -323,16 +362,19 @@ pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: D
     for g in guards {
         g.forget();
     }
-    Held {
-        leases: n,
-        acquire_time,
-        bytes_per_lease: rss_after.saturating_sub(rss_before) as f64 / n as f64,
-        client_cpu_share: (cpu1 - cpu0) / wall,
-        scripts_per_sec: (calls1 - calls0) as f64 / wall,
-        redis_cpu_share: (rcpu1 - rcpu0) / wall,
-        rounds: rounds1 - rounds0,
-        lost,
-    }
+    (
+        Held {
+            leases: n,
+            acquire_time,
+            bytes_per_lease: rss_after.saturating_sub(rss_before) as f64 / n as f64,
+            client_cpu_share: (cpu1 - cpu0) / wall,
+            scripts_per_sec: (calls1 - calls0) as f64 / wall,
+            redis_cpu_share: (rcpu1 - rcpu0) / wall,
+            rounds: rounds1 - rounds0,
+            lost,
+        },
+        cycles as f64 / wall,
+    )
 }
 
 /// What W6 measures.
