@@ -323,3 +323,47 @@ async fn the_leases_of_a_watchdog_task_that_died_are_extended_by_the_next() {
         locks.watchdog_stats()
     );
 }
+
+/// A short lease does not wait behind a round of long ones: due leases go out in deadline
+/// order, a few calls at a time, so a 150 ms lease held beside 20,000 3 s leases is extended
+/// before them every time they fall due together (one call of all of them, cut at the short
+/// lease's deadline, lost it in their first round).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_lease_is_not_lost_behind_a_round_of_long_ones() {
+    const BULK: usize = 20_000;
+    let srv = RedisServer::start();
+    let opts = LockOptions::new().ttl(Duration::from_secs(3));
+    let locks =
+        LockManager::with_options(RedisBackend::connect(&srv.url()).await.unwrap(), opts).unwrap();
+    let mut bulk = Vec::with_capacity(BULK);
+    for chunk in (0..BULK).collect::<Vec<_>>().chunks(1000) {
+        let batch = futures::future::join_all(chunk.iter().map(|i| {
+            let lock = locks.lock(&format!("bulk:{i}"));
+            async move { lock.try_acquire().await.unwrap().expect("free") }
+        }))
+        .await;
+        bulk.extend(batch);
+    }
+    let short = locks
+        .lock_with("short", |o| o.ttl(Duration::from_millis(150)))
+        .unwrap()
+        .acquire()
+        .await
+        .unwrap();
+    // Three rounds of the bulk (each 1 s apart), the short lease extended every 50 ms.
+    let extended = locks.watchdog_stats().extended;
+    let l2 = locks.clone();
+    assert!(
+        support::wait_for_async(Duration::from_secs(60), move || l2
+            .watchdog_stats()
+            .extended
+            >= extended + 3 * BULK as u64)
+        .await,
+        "{:?}",
+        locks.watchdog_stats()
+    );
+    assert!(!short.is_lost(), "{:?}", locks.watchdog_stats());
+    assert_eq!(locks.watchdog_stats().lost, 0);
+    assert!(bulk.iter().all(|g| !g.is_lost()));
+    short.release().await.unwrap();
+}
