@@ -178,7 +178,40 @@ enum Down {
 /// With the default command timeout (2 s) against a 3 s TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
-    one_primary_down(Down::Killed, RedisOptions::new()).await;
+    let cluster = RedisCluster::start(3, 0);
+    let backend = RedisBackend::connect_with(&cluster.url(), RedisOptions::new())
+        .await
+        .expect("connect");
+    one_primary_down(Down::Killed, cluster, backend).await;
+}
+
+/// The same with a backend made by `RedisBackend::from_client` over the application's own
+/// fred cluster client (a reconnect policy and a 2 s command timeout, as the docs ask): the
+/// locks go to one connection per primary made from the client's settings, not through the
+/// client's one router, so a dead primary again costs only its own shard's leases. (Through
+/// the client, every lease was lost within the TTL and every acquire on the healthy shards
+/// timed out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_client_a_dead_primary_costs_only_the_leases_on_its_own_shard() {
+    let cluster = RedisCluster::start(3, 0);
+    let client = cluster_client(&cluster.url(), Duration::from_secs(2)).await;
+    let backend = RedisBackend::from_client(client)
+        .await
+        .expect("from_client");
+    one_primary_down(Down::Killed, cluster, backend).await;
+}
+
+/// A fred client of the cluster at `url`, made as an application would (unlimited reconnects,
+/// a command timeout), and connected.
+async fn cluster_client(url: &str, timeout: Duration) -> fred::prelude::Client {
+    use fred::prelude::{Builder, ClientLike, Config, ReconnectPolicy};
+    let mut builder = Builder::from_config(Config::from_url(url).expect("cluster URL"));
+    builder
+        .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
+        .with_performance_config(|p| p.default_command_timeout = timeout);
+    let client = builder.build().expect("client");
+    client.init().await.expect("the client connects");
+    client
 }
 
 /// The same with the primary paused, and a command timeout (10 s) longer than the TTL: its
@@ -188,16 +221,17 @@ async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
 /// the healthy shards were lost with the others.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_primary_costs_only_the_leases_on_its_own_shard() {
+    let cluster = RedisCluster::start(3, 0);
     let options = RedisOptions::new().command_timeout(Duration::from_secs(10));
-    one_primary_down(Down::Paused, options).await;
-}
-
-async fn one_primary_down(how: Down, options: RedisOptions) {
-    let mut cluster = RedisCluster::start(3, 0);
-    let ttl = Duration::from_secs(3);
     let backend = RedisBackend::connect_with(&cluster.url(), options)
         .await
         .expect("connect");
+    one_primary_down(Down::Paused, cluster, backend).await;
+}
+
+/// Primary 0 of `cluster` stops (`how`) while `backend` holds three leases on each primary.
+async fn one_primary_down(how: Down, mut cluster: RedisCluster, backend: RedisBackend) {
+    let ttl = Duration::from_secs(3);
     let locks = LockManager::with_options(backend, LockOptions::new().ttl(ttl)).expect("options");
     // Three locks on each primary: names[k][i] is served by primary i.
     let names: Vec<Vec<String>> = ["dead-a", "dead-b", "dead-c"]

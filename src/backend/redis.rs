@@ -214,7 +214,8 @@ impl Drop for Inner {
 
 impl RedisBackend {
     /// The fred client underneath, for commands of your own on the same connection (on a
-    /// cluster, the connection to the first primary that answered at connect).
+    /// cluster, the connection to the first primary that answered at connect, also when the
+    /// backend was made by [`from_client`](Self::from_client) over a cluster client).
     pub fn client(&self) -> &Client {
         &self.inner.client
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use fred::interfaces::{ClientLike, EventInterface};
 use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
-use fred::types::config::{ServerConfig, UnresponsiveConfig};
+use fred::types::config::{ConnectionConfig, PerformanceConfig, UnresponsiveConfig};
 use fred::types::InfoKind;
 use futures::stream::{FuturesUnordered, StreamExt};
 
@@ -297,16 +297,10 @@ impl RedisBackend {
         }
         #[cfg(not(feature = "tls"))]
         let _ = tls; // `parse_url` refused a TLS URL
-        if let ServerConfig::Clustered { hosts, .. } = &config.server {
+        if config.server.is_clustered() {
             // One connection per primary (see `shards`): the seeds are asked for the slot
             // table now, whether or not the call waits (a cluster's routes must be known).
-            let seeds = hosts.iter().map(|h| (h.host.to_string(), h.port)).collect();
-            let shards = super::shards::Shards::connect(config, seeds, options).await?;
-            let first = shards.first()?;
-            return Ok(RedisBackend {
-                inner: first.inner,
-                shards: Some(shards),
-            });
+            return super::shards::Shards::backend(config, NodeSettings::Options(options)).await;
         }
         Self::open_node(config, options, wait, false).await
     }
@@ -363,6 +357,17 @@ impl RedisBackend {
     /// `RedisOptions` for the ones [`connect`](Self::connect) sets): without them, fred lets
     /// calls hang while the server is away.
     ///
+    /// **A cluster client** (its config is `ServerConfig::Clustered`) is used for its settings
+    /// only, not for the locks' calls: as [`connect`](Self::connect) does with a
+    /// `redis-cluster://` URL, the backend asks the client's configured nodes for the slot
+    /// table and opens a connection (and, once someone waits, a pub/sub connection) per
+    /// primary, with the client's credentials, TLS, timeouts and reconnect policy, sending
+    /// each lock's calls to the primary that serves its slot. So a primary that is down costs
+    /// only the locks it serves; through fred's cluster client, whose one router stalls every
+    /// shard while it cannot reach one primary, every lease was lost. The client itself need
+    /// not be connected, and [`client`](Self::client) is then the connection to the first
+    /// primary that answered, not the client given here.
+    ///
     /// ```no_run
     /// # async fn demo() -> redlease::Result<()> {
     /// use fred::prelude::{Builder, ClientLike, Config, ReconnectPolicy};
@@ -377,28 +382,42 @@ impl RedisBackend {
     /// # Errors
     ///
     /// [`Error::Backend`] if the client cannot connect or its settings cannot make a
-    /// subscriber; [`Error::InvalidConfig`] for a server older than Redis 7.0, or one whose
+    /// subscriber (on a cluster: if none of its configured nodes gives the slot table);
+    /// [`Error::InvalidConfig`] for a server older than Redis 7.0, or one whose
     /// `maxmemory-policy` may evict keys (see [`RedisOptions::allow_eviction`]).
     pub async fn from_client(client: Client) -> Result<Self> {
         let config = client.client_config();
-        let clustered = config.server.is_clustered();
-        let mut builder = Builder::from_config(config);
-        builder
-            .set_performance_config(client.perf_config())
-            .set_connection_config(client.connection_config().clone())
-            .with_performance_config(|p| {
-                p.broadcast_channel_capacity = p.broadcast_channel_capacity.max(MESSAGES_BUFFERED)
-            });
-        if let Some(policy) = client.client_reconnect_policy() {
-            builder.set_policy(policy);
+        let settings = ClientSettings::of(&client);
+        if config.server.is_clustered() {
+            let settings = NodeSettings::Client(settings);
+            return Box::pin(super::shards::Shards::backend(config, settings)).await;
         }
-        let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
+        let subscriber = settings
+            .builder(config)
+            .build_subscriber_client()
+            .map_err(Error::backend)?;
         let policy = Arc::new(Policy::new(false));
         let ack = super::ReplicaAck::Off;
-        Box::pin(Self::assemble(
-            client, subscriber, clustered, true, policy, ack,
-        ))
-        .await
+        Box::pin(Self::assemble(client, subscriber, false, true, policy, ack)).await
+    }
+
+    /// A backend over one cluster node's connections, made from `config` with an
+    /// application's client's `settings` (see [`from_client`](Self::from_client)).
+    pub(super) async fn open_client_node(
+        mut config: Config,
+        settings: &ClientSettings,
+        wait: bool,
+    ) -> Result<Self> {
+        let subscriber = settings
+            .builder(config.clone())
+            .build_subscriber_client()
+            .map_err(Error::backend)?;
+        // As in `open_node`: a lazy node's first connection is retried by the policy.
+        config.fail_fast = wait;
+        let client = settings.builder(config).build().map_err(Error::backend)?;
+        let policy = Arc::new(Policy::new(false));
+        let ack = super::ReplicaAck::Off;
+        Box::pin(Self::assemble(client, subscriber, true, wait, policy, ack)).await
     }
 
     /// The backend over `client` and `subscriber`: loads the scripts on every connection,
@@ -501,6 +520,51 @@ impl RedisBackend {
     /// up on the first connection.
     pub(super) async fn ready(&self) -> bool {
         in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
+    }
+}
+
+/// How the connections to a cluster's nodes are made, besides their server (see `shards`).
+#[derive(Clone)]
+pub(super) enum NodeSettings {
+    /// With the options given to [`RedisBackend::connect_with`].
+    Options(RedisOptions),
+    /// With the settings of an application's client ([`RedisBackend::from_client`]).
+    Client(ClientSettings),
+}
+
+/// What [`RedisBackend::from_client`] copies from the application's client for connections
+/// of its own (the credentials and TLS are in the client's `Config`).
+#[derive(Clone)]
+pub(super) struct ClientSettings {
+    performance: PerformanceConfig,
+    connection: ConnectionConfig,
+    /// `None`: the client has no reconnect policy, and neither have these connections.
+    reconnect: Option<ReconnectPolicy>,
+}
+
+impl ClientSettings {
+    fn of(client: &Client) -> Self {
+        ClientSettings {
+            performance: client.perf_config(),
+            connection: client.connection_config().clone(),
+            reconnect: client.client_reconnect_policy(),
+        }
+    }
+
+    /// A builder of connections to `config`'s server with these settings; its subscribers
+    /// buffer at least [`MESSAGES_BUFFERED`] messages.
+    fn builder(&self, config: Config) -> Builder {
+        let mut builder = Builder::from_config(config);
+        builder
+            .set_performance_config(self.performance.clone())
+            .set_connection_config(self.connection.clone())
+            .with_performance_config(|p| {
+                p.broadcast_channel_capacity = p.broadcast_channel_capacity.max(MESSAGES_BUFFERED)
+            });
+        if let Some(policy) = &self.reconnect {
+            builder.set_policy(policy.clone());
+        }
+        builder
     }
 }
 

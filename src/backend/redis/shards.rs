@@ -26,8 +26,8 @@ use fred::prelude::Config;
 use fred::types::config::ServerConfig;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
+use super::connect::NodeSettings;
 use super::RedisBackend;
-use super::RedisOptions;
 use crate::backend::{Backend, Claim, Extended, Lease, NodeTerms, Subscription};
 use crate::error::{Error, Result};
 use crate::runtime::{in_tokio, Rt};
@@ -54,10 +54,12 @@ const WATCH_EVERY: Duration = Duration::from_secs(1);
 
 /// The primaries of a cluster and the slots each serves.
 pub(super) struct Shards {
-    /// The cluster's settings (credentials, TLS, timeouts), made into one node's by
-    /// replacing the server.
+    /// The cluster's settings (credentials, TLS), made into one node's by replacing the
+    /// server.
     template: Config,
-    options: RedisOptions,
+    /// The rest of a node's settings (timeouts, reconnects): `connect`'s options, or those of
+    /// the application's client given to `from_client`.
+    settings: NodeSettings,
     /// Slot ranges (first, last) and the address ("host:port") of the primary serving them,
     /// sorted by first slot.
     table: RwLock<Vec<(u16, u16, String)>>,
@@ -95,16 +97,33 @@ struct Route {
 }
 
 impl Shards {
+    /// A backend over the cluster that `template` names (its seed nodes), routing each call
+    /// to the primary that serves its key.
+    pub(super) async fn backend(template: Config, settings: NodeSettings) -> Result<RedisBackend> {
+        let seeds = match &template.server {
+            ServerConfig::Clustered { hosts, .. } => {
+                hosts.iter().map(|h| (h.host.to_string(), h.port)).collect()
+            }
+            _ => Vec::new(),
+        };
+        let shards = Shards::connect(template, seeds, settings).await?;
+        let first = shards.first()?;
+        Ok(RedisBackend {
+            inner: first.inner,
+            shards: Some(shards),
+        })
+    }
+
     /// Asks the seed nodes, in turn, for the slot table; the first that answers is kept as
     /// the first node's backend.
-    pub(super) async fn connect(
+    async fn connect(
         template: Config,
         seeds: Vec<(String, u16)>,
-        options: RedisOptions,
+        settings: NodeSettings,
     ) -> Result<Arc<Shards>> {
         let shards = Arc::new(Shards {
             template,
-            options,
+            settings,
             table: RwLock::new(Vec::new()),
             nodes: Mutex::new(HashMap::new()),
             seeds: seeds.iter().map(|(h, p)| format!("{h}:{p}")).collect(),
@@ -411,7 +430,14 @@ impl Shards {
         if let ServerConfig::Centralized { server } = &mut config.server {
             server.tls_server_name = name;
         }
-        RedisBackend::open_node(config, self.options.clone(), wait, true).await
+        match &self.settings {
+            NodeSettings::Options(options) => {
+                RedisBackend::open_node(config, options.clone(), wait, true).await
+            }
+            NodeSettings::Client(settings) => {
+                RedisBackend::open_client_node(config, settings, wait).await
+            }
+        }
     }
 
     /// Resolves when any primary's backend connected so far is disturbed (see
