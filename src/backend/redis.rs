@@ -67,6 +67,7 @@ pub use fenced::FencedWrite;
 #[cfg(feature = "tls")]
 pub use tls::TlsOptions;
 
+use connect::NodeSettings;
 use keys::{part, Part};
 use ops::{Op, TOMBSTONE};
 

@@ -26,8 +26,7 @@ use fred::prelude::Config;
 use fred::types::config::ServerConfig;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
-use super::connect::NodeSettings;
-use super::RedisBackend;
+use super::{NodeSettings, RedisBackend};
 use crate::backend::{Backend, Claim, Extended, Lease, NodeTerms, Subscription};
 use crate::error::{Error, Result};
 use crate::runtime::{in_tokio, Rt};
