@@ -694,6 +694,61 @@ async fn a_held_locks_slot_migrated_keeps_exclusion_and_wake_ups() {
     next.release().await.expect("release");
 }
 
+/// A lock's slot migrated right after a waiter of another process subscribed to its shard
+/// channel, and released right after the migration: Redis ended the waiter's subscription on
+/// the old owner as the slot left (fred drops that notice), and the release was published on
+/// the new owner, where the waiter did not listen yet. Its process sees the move only in its
+/// slot table, asked for while it has waiters; it then subscribes the waiter on the new owner
+/// and has it look again. That comes within a fraction of a second, well before the waiter's
+/// fallback re-check (a minute) or the holder's lease (10 s). (The table was asked for every
+/// second, the first time a full second after the waiter subscribed: such a hand-off took that
+/// second.) Three migrations in a row, each to another primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_right_after_a_slot_migration_reaches_the_waiter_soon() {
+    /// Far below the fallback re-check and the lease, and below the second the table was
+    /// asked for late (it is now asked for every 100 ms: 20–210 ms here on a loaded machine).
+    const SOON_AFTER: Duration = Duration::from_millis(750);
+    let cluster = RedisCluster::start(3, 0);
+    let name = cluster.names_per_primary("redlease:", "hop")[0].clone();
+    let holder = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(10))).await;
+    let other = manager(&cluster, patient()).await;
+    let key = holder.lock(&name).key().as_str().to_owned();
+    let channel = format!("{key}:released");
+    for round in 0..3 {
+        let held = support::take(&holder, &name).await;
+        let from = cluster.owner(&key, 0);
+        let to = (from + 1) % 3;
+        let waiter = {
+            let lock = other.lock(&name);
+            tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await })
+        };
+        assert!(
+            support::wait_for_async(Duration::from_secs(10), || shard_subscribers(
+                &cluster.nodes[from],
+                &channel
+            ) > 0)
+            .await,
+            "round {round}: the waiter subscribed on the lock's owner"
+        );
+        cluster.move_slot(&key, to);
+        let released = Instant::now();
+        let first = held.fencing_token();
+        held.release().await.expect("release");
+        let next = waiter
+            .await
+            .expect("task")
+            .unwrap_or_else(|e| panic!("round {round}: the waiter was not woken: {e}"));
+        let late = released.elapsed();
+        assert!(next.fencing_token() > first, "round {round}");
+        assert!(
+            late < SOON_AFTER,
+            "round {round}: the waiter got the lock {late:?} after its release, on the slot's \
+             new owner"
+        );
+        next.release().await.expect("release");
+    }
+}
+
 /// Semaphores and read-write locks on every shard: a permit waiter in another manager is
 /// woken by a release's shard message, readers held back by a write are all woken by its
 /// release, and inspection counts the shared holds (the fallback re-check is a minute away).

@@ -165,3 +165,44 @@ impl RedisServer {
             .unwrap_or_default()
     }
 }
+
+impl RedisCluster {
+    /// Moves `key`'s slot, with its keys, from the primary serving it to `nodes[to]`, as a
+    /// resharding does (`CLUSTER SETSLOT ... IMPORTING/MIGRATING`, `MIGRATE`, then `SETSLOT
+    /// ... NODE` on every node). Returns the index of the node it came from.
+    pub fn move_slot(&self, key: &str, to: usize) -> usize {
+        let from = self.owner(key, to);
+        let id = |i: usize| {
+            self.nodes[i]
+                .cmd(&["CLUSTER", "MYID"])
+                .as_str()
+                .expect("CLUSTER MYID")
+        };
+        let (from_id, to_id) = (id(from), id(to));
+        let slot = self.nodes[from]
+            .cmd(&["CLUSTER", "KEYSLOT", key])
+            .as_int()
+            .expect("CLUSTER KEYSLOT")
+            .to_string();
+        let ok = |r: super::Resp| assert!(r.is_ok(), "support: moving slot {slot}: {r:?}");
+        ok(self.nodes[to].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]));
+        ok(self.nodes[from].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]));
+        let keys = self.nodes[from].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
+        let keys: Vec<String> = keys
+            .as_array()
+            .expect("CLUSTER GETKEYSINSLOT")
+            .iter()
+            .filter_map(|k| k.as_str())
+            .collect();
+        if !keys.is_empty() {
+            let port = self.nodes[to].port().to_string();
+            let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            migrate.extend(keys.iter().map(String::as_str));
+            ok(self.nodes[from].cmd(&migrate));
+        }
+        for node in &self.nodes {
+            ok(node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]));
+        }
+        from
+    }
+}

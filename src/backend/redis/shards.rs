@@ -48,8 +48,12 @@ const MIGRATING_PAUSE: Duration = Duration::from_millis(25);
 const MIGRATING_BUDGET: Duration = Duration::from_secs(10);
 
 /// How often the table is asked for while waiters are subscribed: a slot moved by someone
-/// else is seen within this long, and its waiters' subscriptions moved.
-const WATCH_EVERY: Duration = Duration::from_secs(1);
+/// else is seen within this long, and its waiters' subscriptions moved. Redis ends them on the
+/// old owner as the slot leaves (fred drops that notice), so a release published on the new
+/// owner before the move is seen here reaches its waiters only when they look again, after
+/// the move: this bounds how late such a hand-off is (it was a second). The table is asked of
+/// a node the waiters are subscribed on first, which knows at once that it gave a slot away.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// The primaries of a cluster and the slots each serves.
 pub(super) struct Shards {
@@ -77,6 +81,9 @@ pub(super) struct Shards {
     routes: Mutex<Vec<Weak<Route>>>,
     /// One re-routing at a time.
     rerouting: futures::lock::Mutex<()>,
+    /// Set while a subscription could not be moved to its slot's new owner: the next table
+    /// tries again (otherwise a table that changed nothing moves nothing).
+    unmoved: AtomicBool,
     /// A task asks for the table every [`WATCH_EVERY`] while subscriptions live.
     watching: AtomicBool,
 }
@@ -131,6 +138,7 @@ impl Shards {
             refreshing: futures::lock::Mutex::new(()),
             routes: Mutex::new(Vec::new()),
             rerouting: futures::lock::Mutex::new(()),
+            unmoved: AtomicBool::new(false),
             watching: AtomicBool::new(false),
         });
         let mut last = Error::invalid("a cluster URL names no node");
@@ -234,31 +242,56 @@ impl Shards {
     }
 
     /// Moves each live subscription whose key's slot the table now puts on another node.
-    /// One that cannot be moved now is tried again at the next table.
+    /// One that cannot be moved now (the new owner does not serve the slot yet, or does not
+    /// answer) is tried again at the next table. (Its waiter is not woken meanwhile: its
+    /// calls could not be served either.)
     async fn reroute(self: &Arc<Self>) {
         let _one = self.rerouting.lock().await;
-        let routes: Vec<Arc<Route>> = {
-            let mut routes = lock(&self.routes);
-            routes.retain(|r| r.strong_count() > 0);
-            routes.iter().filter_map(Weak::upgrade).collect()
-        };
-        for route in routes {
+        self.unmoved.store(false, Ordering::Release);
+        let mut unmoved = false;
+        for route in self.live_routes() {
             let key = route.claim.key.as_str();
-            let Ok(owner) = self.owner(key) else { continue };
+            let Ok(owner) = self.owner(key) else {
+                unmoved = true;
+                continue;
+            };
             if *lock(&route.addr) == owner {
                 continue;
             }
-            let Ok((addr, node)) = self.located(key).await else {
+            let subscribed = match self.located(key).await {
+                Ok((addr, node)) => node.subscribe(&route.claim).await.map(|sub| (addr, sub)),
+                Err(e) => Err(e),
+            };
+            let Ok((addr, sub)) = subscribed else {
+                unmoved = true;
                 continue;
             };
-            if let Ok(sub) = node.subscribe(&route.claim).await {
-                let old = std::mem::replace(&mut *lock(&route.current), sub);
-                *lock(&route.addr) = addr;
-                // Unsubscribed from the old node as it goes.
-                drop(old);
-                route.moved.notify(usize::MAX);
-            }
+            let old = std::mem::replace(&mut *lock(&route.current), sub);
+            *lock(&route.addr) = addr;
+            // Unsubscribed from the old node as it goes.
+            drop(old);
+            route.moved.notify(usize::MAX);
         }
+        if unmoved {
+            self.unmoved.store(true, Ordering::Release);
+        }
+    }
+
+    /// The live subscriptions (the others are forgotten).
+    fn live_routes(&self) -> Vec<Arc<Route>> {
+        let mut routes = lock(&self.routes);
+        routes.retain(|r| r.strong_count() > 0);
+        routes.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// The node a live subscription is on, if one lives (the others are forgotten).
+    fn routed_node(&self) -> Option<String> {
+        let mut routes = lock(&self.routes);
+        routes.retain(|r| r.strong_count() > 0);
+        let route = routes.iter().find_map(Weak::upgrade)?;
+        drop(routes);
+        let addr = lock(&route.addr).clone();
+        Some(addr)
     }
 
     fn reroute_soon(self: &Arc<Self>) {
@@ -277,19 +310,19 @@ impl Shards {
             loop {
                 crate::runtime::sleep(WATCH_EVERY).await;
                 let Some(this) = this.upgrade() else { return };
-                let live = |this: &Shards| {
-                    let mut routes = lock(&this.routes);
-                    routes.retain(|r| r.strong_count() > 0);
-                    !routes.is_empty()
-                };
-                if !live(&this) {
+                let mut first = this.routed_node();
+                if first.is_none() {
                     this.watching.store(false, Ordering::Release);
                     // A subscription made meanwhile saw the task running: take it back on.
-                    if !live(&this) || this.watching.swap(true, Ordering::AcqRel) {
+                    first = this.routed_node();
+                    if first.is_none() || this.watching.swap(true, Ordering::AcqRel) {
                         return;
                     }
                 }
-                this.refresh(this.generation()).await;
+                // Asked of a node a waiter is subscribed on first: it knows at once when it
+                // gives a slot away (another node may learn it later, by gossip).
+                this.refresh_asking(this.generation(), first.as_deref())
+                    .await;
             }
         });
     }
@@ -354,6 +387,12 @@ impl Shards {
     /// connected nodes first, then every other address known (the map's, the seeds, the
     /// table's) on a connection of its own, until one answers.
     async fn refresh(self: &Arc<Self>, seen: u64) {
+        self.refresh_asking(seen, None).await;
+    }
+
+    /// [`refresh`](Self::refresh), asking the node at `first` before the other connected
+    /// ones.
+    async fn refresh_asking(self: &Arc<Self>, seen: u64, first: Option<&str>) {
         let _one = self.refreshing.lock().await;
         if self.generation() != seen {
             return;
@@ -362,9 +401,10 @@ impl Shards {
             .iter()
             .map(|(a, n)| (a.clone(), n.clone()))
             .collect();
-        let (connected, idle): (Vec<_>, Vec<_>) = known
+        let (mut connected, idle): (Vec<_>, Vec<_>) = known
             .into_iter()
             .partition(|(_, n)| n.inner.client.is_connected());
+        connected.sort_by_key(|(a, _)| Some(a.as_str()) != first);
         for (addr, node) in &connected {
             if self.adopt(addr, node).await {
                 return;
@@ -397,9 +437,9 @@ impl Shards {
                 let changed = *read(&self.table) != table;
                 *write(&self.table) = table;
                 self.generation.fetch_add(1, Ordering::AcqRel);
-                // Also when unchanged, if subscriptions live: one that could not be moved at
-                // the last change is tried again (moving costs nothing for the others).
-                if changed || !lock(&self.routes).is_empty() {
+                // Also when unchanged, if a subscription could not be moved at the last
+                // change: it is tried again.
+                if changed || self.unmoved.load(Ordering::Acquire) {
                     self.reroute_soon();
                 }
                 true
