@@ -190,10 +190,11 @@ impl Semaphore {
 /// nobody extends another's. Fencing: a write's token is greater than every earlier read's
 /// and write's (one counter per name).
 ///
-/// Readers waiting for a write are all woken by its release. A writer that gives up leaves
-/// its preference for up to two re-check intervals ([`RetryPolicy`](crate::RetryPolicy)'s
-/// `max_delay`), during which new readers still wait. [`Redlock`](crate::Redlock) refuses
-/// read-write locks.
+/// Readers waiting for a write are all woken by its release. A waiting writer's preference
+/// is a lease its own attempts renew (at least every second, whatever
+/// [`RetryPolicy`](crate::RetryPolicy)'s `max_delay`): a writer that dies holds new readers
+/// back for at most 2.1 s, and one that gives up withdraws it at once and wakes the waiting
+/// readers. [`Redlock`](crate::Redlock) refuses read-write locks.
 ///
 /// ```
 /// use redlease::{LockManager, MemoryBackend};
