@@ -215,7 +215,9 @@ pub struct LockGuard {
 }
 
 struct Held {
-    name: Arc<str>,
+    /// The lock's name, unless the key holds it as it is (most names: a held lease is kept
+    /// small, and a lock made per acquire would hold its name twice).
+    name: Option<Arc<str>>,
     fence: u64,
     hold_count: Option<u32>,
     /// The replicas that acknowledged the grant (see `ReplicaAck`).
@@ -266,7 +268,7 @@ impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("LockGuard");
         if let Some(h) = &self.held {
-            d.field("name", &h.name)
+            d.field("name", &self.name())
                 .field("kind", &h.release.claim.kind)
                 .field("fencing_token", &h.fence)
                 .field("lost", &h.kept.state.check_lost());
@@ -289,6 +291,7 @@ impl LockGuard {
         release: PendingClaim,
         sent: Instant,
     ) -> Self {
+        let name = (release.claim.key.plain_name() != Some(&*name)).then_some(name);
         LockGuard {
             held: Some(Box::new(Held {
                 name,
@@ -317,7 +320,11 @@ impl LockGuard {
 
     /// The lock's name.
     pub fn name(&self) -> &str {
-        &self.held().name
+        let held = self.held();
+        match &held.name {
+            Some(name) => name,
+            None => held.release.claim.key.plain_name().unwrap_or_default(),
+        }
     }
 
     /// The owner of a reentrant hold; `None` for other kinds.

@@ -177,6 +177,13 @@ impl LeaseKey {
         &self.0
     }
 
+    /// The lock's name as the key holds it between its braces, when it needed no escape
+    /// there (`None` if it did: the braces hold `%XX` escapes).
+    pub(crate) fn plain_name(&self) -> Option<&str> {
+        let inner = &self.0[self.0.find('{')? + 1..self.0.rfind('}')?];
+        (!inner.contains('%')).then_some(inner)
+    }
+
     /// A key beside the lease that shares its hash tag: `<key>:<suffix>`.
     pub fn derived(&self, suffix: &str) -> String {
         format!("{}:{suffix}", self.as_str())

@@ -276,9 +276,12 @@ const WINDOW_MAX: usize = 64;
 const CALL_LEASES: usize = 256;
 
 /// A round starts when the first lease is due, and takes along the leases due within a
-/// quarter of their interval: leases acquired close together are extended together, leases
-/// acquired far apart stay spread over the interval (at most about four rounds per interval).
-const LOOKAHEAD_DIV: u32 = 4;
+/// quarter of their interval, at most [`LOOKAHEAD_MAX`] ns: leases acquired close together
+/// are extended together, leases acquired far apart stay spread over the interval, and a
+/// million leases acquired over half a minute are extended as they fall due, a few calls
+/// every 100 ms, not in bursts that would hold up the application's own commands.
+const LOOKAHEAD_DIV: u64 = 4;
+const LOOKAHEAD_MAX: u64 = 100_000_000;
 
 /// One part of the store's due leases, by deadline, its calls in flight and its window.
 struct Part {
@@ -348,7 +351,7 @@ impl Registry {
                 continue;
             }
             let lookahead = if round {
-                e.interval / u64::from(LOOKAHEAD_DIV)
+                (e.interval / LOOKAHEAD_DIV).min(LOOKAHEAD_MAX)
             } else {
                 0
             };
