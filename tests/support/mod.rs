@@ -9,6 +9,7 @@
 //! * [`Store`]: a test's leases in memory or on a server it started; [`within`] [`SOON`].
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
 //! * [`PlainOnly`]: a backend that serves plain claims only.
+//! * [`Proxy`]: a loopback TCP proxy that can hold back a client's command.
 //! * [`holder`] / [`lease_ms`] / [`field`]: a lock's record on a test server.
 //!
 //! Each test binary uses only part of this module, hence the `allow`s below
@@ -18,6 +19,7 @@
 mod checker;
 mod cluster;
 mod plain;
+mod proxy;
 mod record;
 mod sentinel;
 mod server;
@@ -28,6 +30,7 @@ mod wait;
 pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
 pub use plain::PlainOnly;
+pub use proxy::Proxy;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
