@@ -991,6 +991,98 @@ async fn waiter_is_woken_by_the_release_after_its_pubsub_connection_was_killed()
     g.release().await.expect("waiter releases");
 }
 
+/// A holder on `srv` of lock `name` (its manager and guard), and a manager whose connections
+/// to `srv` go through `proxy`, with long leases and a fallback re-check far past the tests'
+/// bounds: a waiter gets the lock in time only after a wake-up.
+async fn holder_and_proxied_waiter(
+    srv: &RedisServer,
+    proxy: &support::Proxy,
+    name: &str,
+) -> (LockManager, LockGuard, LockManager) {
+    let opts = LockOptions::new()
+        .ttl(secs(60))
+        .retry(RetryPolicy::notify().max_delay(secs(120)));
+    let holder = manager(srv, opts.clone()).await;
+    let guard = holder
+        .lock(name)
+        .acquire_timeout(secs(2))
+        .await
+        .expect("holder acquires");
+    let backend = RedisBackend::connect_with(&proxy.url(), redis_opts())
+        .await
+        .expect("connect through the proxy");
+    let waiter = LockManager::with_options(backend, opts).expect("valid options");
+    (holder, guard, waiter)
+}
+
+/// A waiter checks the lock again only once the server has its subscription: a release
+/// published before that reaches nobody, and the check after it sees the lock free. (fred
+/// answers a SUBSCRIBE before writing it; a proxy holds it back here, as a starved machine
+/// can by chance.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_checks_again_once_the_server_has_its_subscription() {
+    let srv = RedisServer::start();
+    let proxy = support::Proxy::start(srv.port());
+    let (_holder, guard, waiter_m) = holder_and_proxied_waiter(&srv, &proxy, "subscribed").await;
+    // Script calls so far: the holder's acquire. Each attempt of the waiter adds one.
+    let before = srv.script_calls();
+    proxy.hold(b"SUBSCRIBE");
+    let waiter_lock = waiter_m.lock("subscribed");
+    let waiter = tokio::spawn(async move { waiter_lock.acquire_timeout(secs(100)).await });
+    assert!(proxy.wait_held(secs(10)), "the waiter never subscribed");
+    // Its first attempt, then another (at once, or after the unanswered subscription timed
+    // out): both find the lock held. The release comes after them, while the server does
+    // not have the subscription: its message reaches nobody.
+    srv.wait_until(secs(10), |s| s.script_calls() >= before + 2);
+    guard.release().await.expect("holder releases");
+    proxy.pass();
+    let g = tokio::time::timeout(secs(10), waiter)
+        .await
+        .expect("the waiter missed the release made before its subscription was in place")
+        .expect("waiter task")
+        .expect("the waiter gets the lock");
+    assert!(!g.is_lost());
+    g.release().await.expect("waiter releases");
+}
+
+/// A waiter whose subscriber reconnects checks the lock again once its channel is
+/// subscribed again: a release published before that (its message reaches nobody) is seen
+/// by that check, rather than by the fallback re-check minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_rechecks_once_its_channel_is_subscribed_again() {
+    let srv = RedisServer::start();
+    let proxy = support::Proxy::start(srv.port());
+    let (holder, guard, waiter_m) = holder_and_proxied_waiter(&srv, &proxy, "resubscribed").await;
+    let channel = holder.lock("resubscribed").key().derived("released");
+    let before = srv.script_calls();
+    let waiter_lock = waiter_m.lock("resubscribed");
+    let waiter = tokio::spawn(async move { waiter_lock.acquire_timeout(secs(100)).await });
+    // Subscribed, and its two attempts (arriving, then once subscribed) made: it waits.
+    srv.wait_until(secs(10), |s| {
+        numsub(s, &channel) >= 1 && s.script_calls() >= before + 2
+    });
+
+    proxy.hold(b"SUBSCRIBE");
+    assert!(srv.kill_pubsub_clients() >= 1);
+    assert!(
+        proxy.wait_held(secs(10)),
+        "the subscriber never subscribed again"
+    );
+    // The reconnect wakes the waiter (at once, or when a try at subscribing again times
+    // out): it checks again and finds the lock held. The release comes after that check,
+    // while the channel is not subscribed: its message reaches nobody.
+    srv.wait_until(secs(10), |s| s.script_calls() >= before + 3);
+    guard.release().await.expect("holder releases");
+    proxy.pass();
+    let g = tokio::time::timeout(secs(10), waiter)
+        .await
+        .expect("the waiter missed the release made while it re-subscribed")
+        .expect("waiter task")
+        .expect("the waiter gets the lock");
+    assert!(!g.is_lost());
+    g.release().await.expect("waiter releases");
+}
+
 /// The release comes right after the kills, before the subscriber is back: the reconnect
 /// wake-up or the fallback re-check must still get the waiter the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use event_listener::{Event, IntoNotification};
 use fred::clients::SubscriberClient;
@@ -29,9 +30,9 @@ pub(super) struct PubSub {
     /// served by another node (answered MOVED), so a count of 0 proves nothing there: only a
     /// refused publish is seen.
     clustered: bool,
-    /// Serialises SUBSCRIBE/UNSUBSCRIBE so they reach the server in the order of the count
-    /// changes; `true` once the connection is up.
-    ops: futures::lock::Mutex<bool>,
+    /// Serialises SUBSCRIBE/UNSUBSCRIBE (and the re-subscription after a reconnect) so they
+    /// reach the server in the order of the count changes; `true` once the connection is up.
+    ops: Arc<futures::lock::Mutex<bool>>,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     /// Cleared when the check found that messages on the lock channels do not reach the
     /// subscriber: waiters then find a release by their fallback re-check only.
@@ -96,7 +97,7 @@ impl PubSub {
             client,
             publisher,
             clustered,
-            ops: futures::lock::Mutex::new(false),
+            ops: Arc::new(futures::lock::Mutex::new(false)),
             channels: Arc::default(),
             by_message: AtomicBool::new(true),
         }
@@ -133,16 +134,14 @@ impl PubSub {
 
     /// SUBSCRIBEs to a fresh channel named as the lock channels are under the default key
     /// prefix, then PUBLISHes to it from the command connection: PUBLISH says how many
-    /// subscribers got the message. The subscriber's PING in between returns once the server
-    /// has answered the SUBSCRIBE (one connection, in order).
+    /// subscribers got the message.
     async fn check(&self) -> Check {
         let probe = LeaseKey::new("redlease:", &format!("check:{}", Token::random().as_str()));
         let channel = part(&probe, Part::Released);
+        // Answered once the server has processed the SUBSCRIBE (refused or not).
         if self.subscribe_to(channel.clone()).await.is_err() {
             return Check::Unknown;
         }
-        // Its reply may be the SUBSCRIBE's error, which fred hands to the next command.
-        let _ = in_tokio(self.client.ping::<Value>(None)).await;
         let published = if self.clustered {
             in_tokio(self.publisher.spublish::<i64, _, _>(channel.clone(), "")).await
         } else {
@@ -190,9 +189,16 @@ impl PubSub {
     /// of messages larger than the channel while the handler was not running): every
     /// later release would then wake nobody in this process. Here a lag wakes every waiter
     /// to look again, as a reconnect does (the messages it dropped are lost).
+    ///
+    /// After a reconnect the handler subscribes to the channels again itself (not fred's
+    /// `manage_subscriptions`), and wakes the waiters only once the server has confirmed it:
+    /// a waiter woken earlier would re-check while a release's message could still reach
+    /// nobody, and then sleep until its fallback re-check.
     async fn start(&self) -> Result<()> {
         let client = self.client.clone();
         let channels = self.channels.clone();
+        let ops = self.ops.clone();
+        let clustered = self.clustered;
         let started = runtime::background().run(async move {
             let mut messages = client.message_rx();
             let mut reconnects = client.reconnect_rx();
@@ -209,12 +215,12 @@ impl PubSub {
             });
             runtime::background().spawn(async move {
                 // Messages published while the connection was down are lost: wake every
-                // waiter to re-check at once instead of at its fallback timer.
+                // waiter to re-check at once instead of at its fallback timer, once the
+                // channels are subscribed again.
                 while let Ok(_) | Err(RecvError::Lagged(_)) = reconnects.recv().await {
-                    wake_all(&channels);
+                    resubscribe_and_wake(&client, clustered, &ops, &channels).await;
                 }
             });
-            drop(client.manage_subscriptions());
             Ok::<_, fred::error::Error>(())
         });
         match started.await {
@@ -226,11 +232,7 @@ impl PubSub {
     /// SUBSCRIBE, or on a cluster node SSUBSCRIBE: a cluster's releases are published to
     /// their shard only (`SPUBLISH`, see `Scripts::new`).
     async fn subscribe_to(&self, channel: String) -> fred::prelude::FredResult<()> {
-        if self.clustered {
-            in_tokio(self.client.ssubscribe(channel)).await
-        } else {
-            in_tokio(self.client.subscribe(channel)).await
-        }
+        subscribe(&self.client, self.clustered, vec![channel]).await
     }
 
     /// UNSUBSCRIBE, or on a cluster node SUNSUBSCRIBE.
@@ -286,6 +288,66 @@ impl PubSub {
         }
         drop(started);
         Ok(Subscription::new(event).with_guard(guard))
+    }
+}
+
+/// SUBSCRIBE, or on a cluster node SSUBSCRIBE, of `channels`; returns once the server has
+/// processed it, so that a check of the lock made after it cannot miss a release's message.
+///
+/// fred answers a SUBSCRIBE's caller before the command is even written (its reply comes out
+/// of band), so a PING follows it on the same connection: the server answers in order. Any
+/// answer to the PING will do, an error too: a SUBSCRIBE the server refused (an ACL) makes
+/// it answer the PING with its error (waiters then find releases by their fallback re-check,
+/// which `PubSub::check` warned of). No answer (a timeout, a dropped connection) is an error:
+/// the subscription may not be in place. fred waits for an SSUBSCRIBE's own reply (one per
+/// channel: a cluster node's SSUBSCRIBE takes the channels of one slot).
+async fn subscribe(
+    client: &SubscriberClient,
+    clustered: bool,
+    channels: Vec<String>,
+) -> fred::prelude::FredResult<()> {
+    if channels.is_empty() {
+        return Ok(());
+    }
+    if clustered {
+        let each = channels.into_iter().map(|c| in_tokio(client.ssubscribe(c)));
+        return futures::future::try_join_all(each).await.map(drop);
+    }
+    in_tokio(client.subscribe(channels)).await?;
+    match in_tokio(client.ping::<Value>(None)).await {
+        Err(e) if crate::backend::unavailable(&super::errors::store_error(e.clone())) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// After a reconnect: subscribes the new connection to every channel that has local waiters,
+/// and wakes them all once the server has confirmed it, so that a release whose message
+/// reached nobody (published before the server had the subscription again) is seen by their
+/// re-check. A try that fails (a command timeout on a starved machine or server) wakes them
+/// too, and is made again after a pause while the connection is up; a connection that drops
+/// again leaves it to the next reconnect.
+async fn resubscribe_and_wake(
+    client: &SubscriberClient,
+    clustered: bool,
+    ops: &futures::lock::Mutex<bool>,
+    channels: &Mutex<HashMap<String, Channel>>,
+) {
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let tried = {
+            // In order with the waiters' SUBSCRIBE/UNSUBSCRIBE: the map is the server's set.
+            let _order = ops.lock().await;
+            let names = lock_map(channels).keys().cloned().collect();
+            subscribe(client, clustered, names).await
+        };
+        wake_all(channels);
+        let Err(e) = tried else { return };
+        tracing::warn!(error = %e, "re-subscribing after a reconnect failed; trying again");
+        if !client.is_connected() {
+            return;
+        }
+        runtime::sleep(pause).await;
+        pause = pause.saturating_mul(2).min(Duration::from_secs(1));
     }
 }
 
