@@ -575,6 +575,32 @@ async fn a_restarted_node_counts_only_after_max_lease_even_when_restarted_late_i
     );
 }
 
+/// A waiting acquire whose wait runs out while restarted nodes keep it from a majority
+/// reports `QuorumNotReached` (what kept it from the lock), not a plain timeout; nothing is
+/// left behind on the nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_runs_out_while_nodes_warm_up_reports_quorum_not_reached() {
+    let servers = start(3);
+    // Fresh servers, up for less than the quarantine: none counts toward a majority for the
+    // whole test.
+    let quarantine = secs(600);
+    let opts = RedlockOptions::new()
+        .node_timeout(NODE_TIMEOUT)
+        .max_lease(quarantine)
+        .restart_quarantine(quarantine);
+    let a = manager(&servers, LockOptions::new().ttl(secs(2)), opts).await;
+    let lock = a.lock("warming-wait");
+    let key = lock.key().as_str().to_string();
+    let outcome = within("a limited wait", secs(10), lock.acquire_timeout(ms(300))).await;
+    match outcome {
+        Err(e @ Error::QuorumNotReached { .. }) => assert_quorum_error(&e, 0, 2),
+        other => panic!("expected QuorumNotReached after the wait, got {other:?}"),
+    }
+    for srv in &servers {
+        assert!(!support::held(srv, &key), "left behind on port {}", srv.port());
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. The restart test: A on exactly 3 of 5, one of them restarted empty.
 // ---------------------------------------------------------------------------------------

@@ -286,12 +286,9 @@ enum Round {
     /// key of the wrong type, a server that may evict keys) that no majority can grant: one
     /// of those errors.
     Refused(Error),
-    /// Too few nodes answered or counted; `warming` is set when restarted nodes would make
-    /// the majority once they count, with the time until then.
-    Unavailable {
-        granted: usize,
-        warming: Option<Duration>,
-    },
+    /// Too few nodes answered or counted; `warming` when restarted nodes would make the
+    /// majority once they count.
+    Unavailable { granted: usize, warming: bool },
 }
 
 /// The answers of one acquire round, counted. Nodes may grant under different lease tokens
@@ -502,7 +499,6 @@ impl Redlock {
         // Granting nodes by lease token, the largest group first.
         let mut leases: Vec<(Token, Vec<(usize, &Grant)>)> = Vec::new();
         let mut held: Option<Duration> = None;
-        let mut warming: Option<Duration> = None;
         // Nodes that may hold the claim now and are answering: released and waited for.
         let mut answering = Vec::new();
         // Nodes that may hold it and are slow or failing: released, not waited for.
@@ -517,9 +513,8 @@ impl Redlock {
                     }
                 }
                 Some(Ok(Acquire::Held { remaining })) => held = soonest(held, *remaining),
-                Some(Ok(Acquire::Warming { remaining })) => {
-                    warming = soonest(warming, Some(*remaining));
-                }
+                // Counted in `votes`.
+                Some(Ok(Acquire::Warming { .. })) => {}
                 // Failed before anything was sent: nothing to take back.
                 Some(Err(e)) if not_sent(e) => {}
                 // Not answered yet when the round was decided: it may grant any moment.
@@ -604,7 +599,7 @@ impl Redlock {
             Round::Unavailable {
                 granted: votes.agreeing,
                 // Only worth waiting for if they would make the majority.
-                warming: warming.filter(|_| votes.granted + votes.warming >= q),
+                warming: votes.warming > 0 && votes.granted + votes.warming >= q,
             }
         }
     }
@@ -613,7 +608,8 @@ impl Redlock {
     /// vote, or too few nodes, is tried again after a random delay, up to `retries` times.
     /// Then a split is reported as contention (`held`), too few nodes as
     /// [`Error::QuorumNotReached`]. A waiting acquire that only restarted nodes keep from a
-    /// majority gets `warming`, to wait for them.
+    /// majority gets that error at once (quick retries cannot mend it): the engine waits on
+    /// it as on any missing majority, and reports it if its wait runs out.
     async fn rounds<Fut>(&self, attempt: Attempt, round: impl Fn() -> Fut) -> Result<Acquire>
     where
         Fut: Future<Output = Round>,
@@ -637,9 +633,14 @@ impl Redlock {
                 // that one of them gets there first.
                 Round::Split(remaining) => split = Some(remaining),
                 Round::Unavailable {
-                    warming: Some(remaining),
-                    ..
-                } if attempt.recheck().is_some() => return Ok(Acquire::Warming { remaining }),
+                    granted,
+                    warming: true,
+                } if attempt.recheck().is_some() => {
+                    return Err(Error::QuorumNotReached {
+                        acquired: best.max(granted),
+                        required: self.quorum(),
+                    })
+                }
                 Round::Unavailable { granted, .. } => {
                     split = None;
                     best = best.max(granted);
