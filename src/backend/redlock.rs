@@ -288,7 +288,10 @@ enum Round {
     Refused(Error),
     /// Too few nodes answered or counted; `warming` when restarted nodes would make the
     /// majority once they count.
-    Unavailable { granted: usize, warming: bool },
+    Unavailable {
+        granted: usize,
+        warming: bool,
+    },
 }
 
 /// The answers of one acquire round, counted. Nodes may grant under different lease tokens
