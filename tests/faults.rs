@@ -949,9 +949,13 @@ async fn killed_connections_do_not_lose_a_watched_guard() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_is_woken_by_the_release_after_its_pubsub_connection_was_killed() {
     let srv = RedisServer::start();
-    // Long holder TTL: the waiter's fallback re-check would come only after 0.8-1 s.
-    let holder = manager(&srv, LockOptions::new().ttl(secs(5))).await;
-    let waiter_m = manager(&srv, LockOptions::new().ttl(secs(5))).await;
+    // Long leases, and a fallback re-check 96-120 s away: a waiter that gets the lock within
+    // the test's bounds was woken by the release.
+    let opts = LockOptions::new()
+        .ttl(secs(300))
+        .retry(RetryPolicy::notify().max_delay(secs(120)));
+    let holder = manager(&srv, opts.clone()).await;
+    let waiter_m = manager(&srv, opts).await;
     let lock = holder.lock("client-kill-waiter");
     let key = lock.key().clone();
     let channel = key.derived("released");
@@ -961,10 +965,7 @@ async fn waiter_is_woken_by_the_release_after_its_pubsub_connection_was_killed()
         .await
         .expect("holder acquires");
     let waiter_lock = waiter_m.lock("client-kill-waiter");
-    let waiter = tokio::spawn(async move {
-        let r = waiter_lock.acquire_timeout(secs(6)).await;
-        (r, Instant::now())
-    });
+    let waiter = tokio::spawn(async move { waiter_lock.acquire_timeout(secs(60)).await });
     srv.wait_until(secs(3), |s| {
         numsub(s, &channel) >= 1 && waiters_deadline(s, &key).is_some_and(|w| w > server_ms(s))
     });
@@ -972,22 +973,16 @@ async fn waiter_is_woken_by_the_release_after_its_pubsub_connection_was_killed()
     assert!(srv.kill_pubsub_clients() >= 1);
     srv.kill_clients();
     // The subscriber reconnects and re-subscribes on its own.
-    srv.wait_until(secs(3), |s| numsub(s, &channel) >= 1);
-    let release_started = Instant::now();
-    tokio::time::timeout(secs(3), guard.release())
+    srv.wait_until(secs(10), |s| numsub(s, &channel) >= 1);
+    tokio::time::timeout(secs(10), guard.release())
         .await
         .expect("release hung after the kills")
         .expect("holder releases");
-    let (r, acquired_at) = tokio::time::timeout(secs(8), waiter)
+    let g = tokio::time::timeout(secs(30), waiter)
         .await
-        .expect("the waiter never finished")
-        .expect("waiter task");
-    let g = r.expect("the waiter gets the lock");
-    let gap = acquired_at.saturating_duration_since(release_started);
-    assert!(
-        gap < ms(500),
-        "the waiter took {gap:?} after the release: not woken by pub/sub after the reconnect"
-    );
+        .expect("the waiter was not woken by pub/sub after the reconnect")
+        .expect("waiter task")
+        .expect("the waiter gets the lock");
     g.release().await.expect("waiter releases");
 }
 
@@ -1837,14 +1832,14 @@ fn held_key(m: &LockManager, name: &str) -> String {
 /// A burst of more pub/sub messages than fred buffers for the subscriber (one script call
 /// publishes 50,000 on a lock channel that a waiter of this process listens to) must not end
 /// the wake-ups: a later release still wakes its waiter by message, long before the fallback
-/// re-check (10 s). fred's own `on_message` loop ends for good at the first lag, after which
-/// every release woke nobody in the process.
+/// re-check (96-120 s; the holders' leases run 300 s). fred's own `on_message` loop ends for
+/// good at the first lag, after which every release woke nobody in the process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_messages_does_not_end_the_wake_ups() {
     let srv = RedisServer::start();
     let opts = LockOptions::new()
-        .ttl(secs(30))
-        .retry(RetryPolicy::notify().max_delay(secs(10)));
+        .ttl(secs(300))
+        .retry(RetryPolicy::notify().max_delay(secs(120)));
     let locks = manager(&srv, opts).await;
     let holder_of_a = locks.lock("a").acquire().await.expect("a");
     let holder_of_b = locks.lock("b").acquire().await.expect("b");
@@ -1869,19 +1864,13 @@ async fn a_burst_of_messages_does_not_end_the_wake_ups() {
     assert_eq!(burst.as_int(), Some(1), "{burst:?}");
     // The release's message reaches the subscriber after the whole burst (one connection
     // delivers in order), and must still wake its waiter.
-    let released = Instant::now();
     holder_of_a.release().await.expect("release a");
-    let got = tokio::time::timeout(secs(20), waiter_a)
+    // Within a bound far below the fallback re-check: woken by the release's message.
+    let got = tokio::time::timeout(secs(30), waiter_a)
         .await
-        .expect("waiter a ended")
+        .expect("the waiter was not woken by the release's message")
         .expect("task")
         .expect("waiter a got the lock");
-    let took = released.elapsed();
-    assert!(
-        took < secs(3),
-        "the waiter took {took:?} after the release: woken by its fallback re-check, not by the \
-         release's message"
-    );
     drop(got);
     drop(holder_of_b);
     let _ = tokio::time::timeout(secs(20), waiter_b).await;
