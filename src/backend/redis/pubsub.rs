@@ -295,12 +295,12 @@ impl PubSub {
 /// processed it, so that a check of the lock made after it cannot miss a release's message.
 ///
 /// fred answers a SUBSCRIBE's caller before the command is even written (its reply comes out
-/// of band), so a PING follows it on the same connection: the server answers in order. Any
-/// answer to the PING will do, an error too: a SUBSCRIBE the server refused (an ACL) makes
-/// it answer the PING with its error (waiters then find releases by their fallback re-check,
-/// which `PubSub::check` warned of). No answer (a timeout, a dropped connection) is an error:
-/// the subscription may not be in place. fred waits for an SSUBSCRIBE's own reply (one per
-/// channel: a cluster node's SSUBSCRIBE takes the channels of one slot).
+/// of band), so a PING follows it on the same connection: the server answers in order. A
+/// SUBSCRIBE the server refused (an ACL) hands its `NOPERM` to the PING: answered too
+/// (waiters then find releases by their fallback re-check, which `PubSub::check` warned
+/// of). No answer (a timeout, a dropped connection, fred's router gone) is the connection's
+/// trouble: the subscription may not be in place. fred waits for an SSUBSCRIBE's own reply
+/// (one per channel: a cluster node's SSUBSCRIBE takes the channels of one slot).
 async fn subscribe(
     client: &SubscriberClient,
     clustered: bool,
@@ -315,8 +315,12 @@ async fn subscribe(
     }
     in_tokio(client.subscribe(channels)).await?;
     match in_tokio(client.ping::<Value>(None)).await {
-        Err(e) if crate::backend::unavailable(&super::errors::store_error(e.clone())) => Err(e),
-        _ => Ok(()),
+        Ok(_) => Ok(()),
+        Err(e) if e.details().starts_with("NOPERM") => Ok(()),
+        Err(e) => Err(fred::error::Error::new(
+            fred::error::ErrorKind::IO,
+            format!("the subscription was not confirmed: {e}"),
+        )),
     }
 }
 
