@@ -89,8 +89,13 @@ impl Store {
     }
 }
 
+/// A 10 s TTL, and `acquire()` waits at most [`SOON`]: a wait with a limit rides out a
+/// command that times out (a starved machine, a cluster under load), where an unlimited one
+/// reports it at once.
 fn opts() -> LockOptions {
-    LockOptions::new().ttl(Duration::from_secs(10))
+    LockOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait_timeout(Some(SOON))
 }
 
 /// Generous bound for things that must happen "soon": failing it means a hang, not slowness.
