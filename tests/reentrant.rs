@@ -180,11 +180,13 @@ fn owners_sum(srv: &RedisServer, key: &LeaseKey) -> i64 {
 }
 
 /// 10 s TTL, and a fallback re-check of 30 s: a waiter served within the tests' bounds was
-/// woken by the release.
+/// woken by the release. `acquire()` waits at most a minute: a wait with a limit rides out a
+/// command that times out on a starved machine, where an unlimited one reports it at once.
 fn opts() -> LockOptions {
     LockOptions::new()
         .ttl(Duration::from_secs(10))
         .retry(RetryPolicy::notify().max_delay(Duration::from_secs(30)))
+        .wait_timeout(Some(Duration::from_secs(60)))
 }
 
 async fn nested_acquire_by_one_owner_does_not_deadlock(store: Store) {
