@@ -184,7 +184,7 @@ impl RedisCluster {
             .as_int()
             .expect("CLUSTER KEYSLOT")
             .to_string();
-        let ok = |r: super::Resp| assert!(r.is_ok(), "support: moving slot {slot}: {r:?}");
+        let ok = |r: super::server::Resp| assert!(r.is_ok(), "support: moving slot {slot}: {r:?}");
         ok(self.nodes[to].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]));
         ok(self.nodes[from].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]));
         let keys = self.nodes[from].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
