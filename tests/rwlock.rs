@@ -421,8 +421,9 @@ async fn memory_checker_readers_and_writers() {
 /// How long each reader of the stream holds its read.
 const STREAM_HOLD: Duration = Duration::from_millis(20);
 
-/// 16 readers in two managers loop read, hold 20 ms, release, staggered so that the lock is
-/// never free of readers (checked: sampled, it is always held by reads and a single write
+/// 16 readers in two managers loop read, hold 20 ms, release, each taking its next read
+/// before it releases the last (hand over hand: the lock is never free of readers, however
+/// the tasks are scheduled; checked: sampled, it is always held by reads and a single write
 /// attempt always fails). A writer that starts waiting gets the lock within a bound set by
 /// the reads already inside (20 ms + slack, far below 1 s), and no read begun after the
 /// writer registered gets in before it (fencing tokens).
@@ -451,15 +452,35 @@ async fn writer_is_not_starved_by_a_stream_of_readers(store: Store) {
         tasks.push(tokio::spawn(async move {
             // Staggered starts: the reads' ends are spread over the hold time.
             tokio::time::sleep(STREAM_HOLD * i as u32 / READERS as u32).await;
-            while !stop.load(Ordering::SeqCst) {
-                let began = Instant::now();
-                let g = rw
-                    .read()
-                    .await
-                    .unwrap_or_else(|e| panic!("reader {i}: {e}"));
+            let mut began = Instant::now();
+            let mut g = rw
+                .read()
+                .await
+                .unwrap_or_else(|e| panic!("reader {i}: {e}"));
+            loop {
                 reads.lock().unwrap().push((began, g.fencing_token()));
                 tokio::time::sleep(STREAM_HOLD).await;
+                if stop.load(Ordering::SeqCst) {
+                    g.release().await.expect("release a read");
+                    break;
+                }
+                // Hand over hand: the next read is tried (once) before this one is released,
+                // so the lock is never free of reads however late a starved machine runs this
+                // task. Once a writer waits the try is turned away (writer preference): this
+                // read is released and the next one waits behind the writer.
+                began = Instant::now();
+                let next = rw
+                    .try_read()
+                    .await
+                    .unwrap_or_else(|e| panic!("reader {i}: {e}"));
                 g.release().await.expect("release a read");
+                g = match next {
+                    Some(next) => next,
+                    None => rw
+                        .read()
+                        .await
+                        .unwrap_or_else(|e| panic!("reader {i}: {e}")),
+                };
             }
         }));
     }
@@ -1482,7 +1503,14 @@ async fn memory_writer_away_from_the_waiting_reader_is_served_when_a_crashed_wri
 /// another manager, re-checking every few milliseconds, while the server's connections are
 /// killed every 10 ms for 1.5 s. A store unavailable for a moment is waited out with a wait
 /// limit (the doc of `Lock::acquire`: "a lost connection ... is waited out"), so no wait may
-/// end during the kills; once the read is released, all of them get in.
+/// fail during the kills, and no writer gets in while the read is held; once the read is
+/// released, all of them get in.
+///
+/// A reader may get in during the kills: the writers' preference is a lease that their
+/// turned-away attempts renew (2 x max_delay + 100 ms, 106 ms here), and with every
+/// connection killed every 10 ms on a loaded machine none of the four may reach the server
+/// for that long (seen under `.ci/hog`: the record's `v` ran out 300 ms into the kills, and
+/// a reader got in). Its release, sent while connections are being killed, may fail.
 ///
 /// Fails at ae0d69c: a command sent in the moment after fred drops the killed connection
 /// and before it reconnects fails with fred's `ErrorKind::Unknown` "Failed to route command."
@@ -1512,15 +1540,22 @@ async fn waiters_with_a_wait_limit_ride_out_killed_connections() {
         let m = LockManager::with_options(backend, waiting.clone()).unwrap();
         let w = m.rw("ride-out").unwrap();
         let writer = i % 2 == 0;
+        // (writer, the wait's outcome: when it got in, and the release's outcome)
         waiters.push(tokio::spawn(async move {
             let g = if writer {
-                w.write().await?
+                w.write().await
             } else {
-                w.read().await?
+                w.read().await
             };
-            g.release().await?;
+            let waited = match g {
+                Ok(g) => {
+                    let at = Instant::now();
+                    Ok((at, g.release().await))
+                }
+                Err(e) => Err(e),
+            };
             drop(m);
-            Ok::<bool, Error>(writer)
+            (writer, waited)
         }));
         if writer {
             store.wait_writer_waits(&rw).await;
@@ -1529,35 +1564,44 @@ async fn waiters_with_a_wait_limit_ride_out_killed_connections() {
     store.wait_readers_wait(&rw).await;
     let started = Instant::now();
     let mut killed = 0;
-    while started.elapsed() < ms(1500) && !waiters.iter().any(|w| w.is_finished()) {
+    while started.elapsed() < ms(1500) {
         killed += srv.kill_clients();
         tokio::time::sleep(ms(10)).await;
     }
-    let during = started.elapsed();
-    let mut ended = Vec::new();
-    let mut still = Vec::new();
-    for w in waiters {
-        if w.is_finished() {
-            ended.push(w.await.expect("waiter task"));
-        } else {
-            still.push(w);
-        }
-    }
-    println!(
-        "ride out: {killed} connections killed in {during:?}; waits ended during the kills: \
-         {ended:?}"
-    );
-    assert!(
-        ended.is_empty(),
-        "waits with a 20 s limit ended during the connection kills ({during:?}, {killed} \
-         connections killed): {ended:?}"
-    );
+    let kills_ended = Instant::now();
+    let during = kills_ended - started;
+    // Taken before the release is sent: a writer's grant follows the release's arrival,
+    // which may be before its answer does.
+    let releasing = Instant::now();
     held.release().await.expect("the read survived the kills");
-    for w in still {
-        within("a waiter's grant", w)
-            .await
-            .expect("waiter task")
-            .expect("the waiter gets in");
+    let mut outcomes = Vec::new();
+    for w in waiters {
+        outcomes.push(within("a waiter's grant", w).await.expect("waiter task"));
+    }
+    let early = outcomes
+        .iter()
+        .filter(|(_, w)| matches!(w, Ok((at, _)) if *at < kills_ended))
+        .count();
+    println!(
+        "ride out: {killed} connections killed in {during:?}; {early} reader(s) got in during \
+         the kills"
+    );
+    for (writer, waited) in outcomes {
+        let (at, released) = waited.unwrap_or_else(|e| {
+            panic!(
+                "a wait with a 20 s limit failed ({during:?} of kills, {killed} connections \
+                 killed): {e}"
+            )
+        });
+        assert!(
+            !writer || at >= releasing,
+            "a writer got in while a read was held"
+        );
+        // A release sent during the kills may fail (it is then tried again in the
+        // background, as `LockGuard::release` says); one sent after them may not.
+        if at >= kills_ended {
+            released.expect("release after the kills");
+        }
     }
 }
 
