@@ -945,7 +945,10 @@ async fn dropped_waiters_leave_no_permit_behind(store: Store) {
         }
         // Only `b` stays: an abandoned attempt's permit, if any was granted, is given back.
         wait_live(&pool, 1).await;
-        a = Some(take(&pool).await);
+        // Taken through the waiter's manager, which sends it after the abandoned attempt's
+        // clean-up: an attempt still on its way when the live count was read (a loaded
+        // machine) could otherwise take the permit between the two.
+        a = Some(take(&wpool).await);
     }
     println!("dropped waiters: {served} of 20 racing waiters were served");
 
