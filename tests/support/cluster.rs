@@ -167,9 +167,10 @@ impl RedisServer {
 }
 
 impl RedisCluster {
-    /// Moves `key`'s slot, with its keys, from the primary serving it to `nodes[to]`, as a
-    /// resharding does (`CLUSTER SETSLOT ... IMPORTING/MIGRATING`, `MIGRATE`, then `SETSLOT
-    /// ... NODE` on every node). Returns the index of the node it came from.
+    /// Moves `key`'s slot, with its keys, from the primary serving it to `nodes[to]`, as
+    /// `redis-cli --cluster reshard` does (`CLUSTER SETSLOT ... IMPORTING/MIGRATING`,
+    /// `MIGRATE`, then `SETSLOT ... NODE` on the new owner, the old one and every other
+    /// primary). Returns the index of the node it came from.
     pub fn move_slot(&self, key: &str, to: usize) -> usize {
         let from = self.owner(key, to);
         let id = |i: usize| {
@@ -200,8 +201,12 @@ impl RedisCluster {
             migrate.extend(keys.iter().map(String::as_str));
             ok(self.nodes[from].cmd(&migrate));
         }
-        for node in &self.nodes {
-            ok(node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]));
+        // The new owner first, then the old, then the others, as `redis-cli --cluster
+        // reshard` does: told first, the old owner would redirect calls to a node that sends
+        // them back while it still imports the slot.
+        let others = (0..self.primaries).filter(|&i| i != to && i != from);
+        for i in [to, from].into_iter().chain(others) {
+            ok(self.nodes[i].cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]));
         }
         from
     }
