@@ -749,6 +749,118 @@ async fn a_release_right_after_a_slot_migration_reaches_the_waiter_soon() {
     }
 }
 
+/// A waiter's subscription moved to the new owner of its lock's slot is not unsubscribed on
+/// the node that gave the slot away: Redis ended it there already, and would answer the
+/// SUNSUBSCRIBE `MOVED`. fred takes SUNSUBSCRIBE to have no reply and hands such an error to
+/// the next command on that subscriber connection as its reply: here the SSUBSCRIBE of a
+/// waiter on another lock of that node, which then failed, or once the replies had shifted,
+/// took the reply of the command before it. Both waiters are then woken by their release's
+/// message (the fallback re-check is a minute away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_moved_off_a_node_is_not_unsubscribed_there() {
+    let cluster = RedisCluster::start(3, 0);
+    let moving = cluster.names_per_primary("redlease:", "moving")[0].clone();
+    let staying = cluster.names_per_primary("redlease:", "staying")[0].clone();
+    let holder = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(10))).await;
+    let other = manager(&cluster, patient()).await;
+    let key = |name: &str| holder.lock(name).key().as_str().to_owned();
+    let (moving_key, staying_key) = (key(&moving), key(&staying));
+    let home = cluster.owner(&moving_key, 0);
+    let to = (home + 1) % 3;
+    let waiting = |name: &str| {
+        let lock = other.lock(name);
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await })
+    };
+    let nodes = &cluster.nodes;
+    let subscribed = |node: usize, key: &str| {
+        let channel = format!("{key}:released");
+        support::wait_for_async(Duration::from_secs(10), move || {
+            shard_subscribers(&nodes[node], &channel) > 0
+        })
+    };
+    let refused = || {
+        cluster.nodes[home]
+            .info_field("commandstats", "cmdstat_sunsubscribe")
+            .and_then(|s| {
+                s.split(',')
+                    .find_map(|f| f.strip_prefix("rejected_calls=")?.parse::<i64>().ok())
+            })
+            .unwrap_or(0)
+    };
+
+    let held = support::take(&holder, &moving).await;
+    let early = waiting(&moving);
+    assert!(subscribed(home, &moving_key).await, "the waiter subscribed");
+    cluster.move_slot(&moving_key, to);
+    assert!(
+        subscribed(to, &moving_key).await,
+        "the waiter's subscription moved to the new owner"
+    );
+    // Another waiter of the same process subscribes on the old node, after the move.
+    let kept = support::take(&holder, &staying).await;
+    let late = waiting(&staying);
+    assert!(
+        subscribed(home, &staying_key).await,
+        "the other waiter subscribed"
+    );
+    assert_eq!(
+        refused(),
+        0,
+        "the node that gave the slot away was sent a SUNSUBSCRIBE it answered MOVED"
+    );
+    let next = hand_over(&cluster.nodes[to], &moving_key, held, early).await;
+    next.release().await.expect("release");
+    let next = hand_over(&cluster.nodes[home], &staying_key, kept, late).await;
+    next.release().await.expect("release");
+}
+
+/// A lock's slot moved to another primary and straight back, within the 100 ms between two
+/// looks at the slot table: the table then shows no change, yet Redis ended the waiter's shard
+/// subscription on its node as the slot left (fred drops that notice). The waiter's process
+/// finds that out by comparing the shard channels it believes subscribed with the count the
+/// node keeps for its subscriber connection, subscribes again and has the waiter look again;
+/// the release then wakes it. The waiter's fallback re-check is a minute away and the holder's
+/// lease 30 s, so a waiter that gets the lock within 10 s was woken (it waited out the whole
+/// lease before: the hand-off took the lease's time left, 4.5 s with a 5 s lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_moved_away_and_back_between_two_table_checks_still_wakes_its_waiter() {
+    const WOKEN_WITHIN: Duration = Duration::from_secs(10);
+    let cluster = RedisCluster::start(3, 0);
+    let name = cluster.names_per_primary("redlease:", "boomerang")[0].clone();
+    let holder = manager(&cluster, LockOptions::new().ttl(Duration::from_secs(30))).await;
+    let other = manager(&cluster, patient()).await;
+    // A reentrant waiter: its fallback re-check is the policy's minute (a plain waiter
+    // re-checks every second whatever its policy).
+    let owner = Owner::random();
+    let key = holder.lock(&name).key().as_str().to_owned();
+    let channel = format!("{key}:released");
+    for round in 0..4 {
+        let held = support::take(&holder, &name).await;
+        let home = cluster.owner(&key, 0);
+        let waiter = {
+            let lock = other.lock(&name).reentrant(&owner).expect("reentrant");
+            tokio::spawn(async move { lock.acquire_timeout(WOKEN_WITHIN).await })
+        };
+        assert!(
+            support::wait_for_async(Duration::from_secs(10), || shard_subscribers(
+                &cluster.nodes[home],
+                &channel
+            ) > 0)
+            .await,
+            "round {round}: the waiter subscribed on the lock's owner"
+        );
+        cluster.move_slot(&key, (home + 1) % 3);
+        cluster.move_slot(&key, home);
+        let first = held.fencing_token();
+        held.release().await.expect("release");
+        let next = waiter.await.expect("task").unwrap_or_else(|e| {
+            panic!("round {round}: the waiter was not woken by the release: {e}")
+        });
+        assert!(next.fencing_token() > first, "round {round}");
+        next.release().await.expect("release");
+    }
+}
+
 /// Semaphores and read-write locks on every shard: a permit waiter in another manager is
 /// woken by a release's shard message, readers held back by a write are all woken by its
 /// release, and inspection counts the shared holds (the fallback re-check is a minute away).

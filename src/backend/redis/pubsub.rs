@@ -2,6 +2,13 @@
 //! shard channel's SSUBSCRIBE) per channel with local waiters, reference-counted; a message wakes one local waiter (a release), the waiter it
 //! names (a fair hand-off), or all of them (a cache fill). When the subscriber connects, a
 //! check finds out whether messages reach it at all (an ACL may refuse the channels).
+//!
+//! On a cluster node, Redis ends the shard channels of a slot that leaves the node, and says
+//! so only in a notice that fred drops: [`PubSub::verify`] finds such losses (the cluster's
+//! slot watch calls it), and [`PubSub::ended`] keeps an ended channel from being sent a
+//! SUNSUBSCRIBE that the node would answer `MOVED` (fred takes (S)UNSUBSCRIBE to have no
+//! reply of its own, and hands such an error to the next command on the connection as its
+//! reply).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,7 +17,7 @@ use std::time::Duration;
 
 use event_listener::{Event, IntoNotification};
 use fred::clients::SubscriberClient;
-use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
+use fred::interfaces::{ClientInterface, ClientLike, EventInterface, PubsubInterface};
 use fred::prelude::Client;
 use fred::types::Value;
 use tokio::sync::broadcast::error::RecvError;
@@ -37,6 +44,10 @@ pub(super) struct PubSub {
     /// Cleared when the check found that messages on the lock channels do not reach the
     /// subscriber: waiters then find a release by their fallback re-check only.
     by_message: AtomicBool,
+    /// Cleared when the node refused to say how many shard channels the subscriber
+    /// connection has (`CLIENT LIST` needs the `@admin` category): [`verify`](Self::verify)
+    /// then does nothing.
+    verifiable: AtomicBool,
 }
 
 /// What the check found.
@@ -60,6 +71,9 @@ struct Channel {
     broadcast: bool,
     /// Fair waiters on a hand-off channel, by token: a message wakes only the one it names.
     targets: HashMap<String, Arc<Event>>,
+    /// The node ended the subscription (its slot left the node): no SUNSUBSCRIBE is sent
+    /// for it. Cleared when it is subscribed again.
+    ended: bool,
 }
 
 fn lock_map(m: &Mutex<HashMap<String, Channel>>) -> MutexGuard<'_, HashMap<String, Channel>> {
@@ -100,6 +114,7 @@ impl PubSub {
             ops: Arc::new(futures::lock::Mutex::new(false)),
             channels: Arc::default(),
             by_message: AtomicBool::new(true),
+            verifiable: AtomicBool::new(true),
         }
     }
 
@@ -262,6 +277,7 @@ impl PubSub {
                 subscribers: 0,
                 broadcast,
                 targets: HashMap::new(),
+                ended: false,
             });
             c.subscribers += 1;
             let event = match &target {
@@ -285,9 +301,109 @@ impl PubSub {
             self.subscribe_to(guard.channel.clone())
                 .await
                 .map_err(super::errors::store_error)?;
+            self.subscribed_again(&guard.channel);
         }
         drop(started);
         Ok(Subscription::new(event).with_guard(guard))
+    }
+
+    /// Clears `channel`'s [`ended`](Channel::ended) mark after a SSUBSCRIBE of it succeeded.
+    fn subscribed_again(&self, channel: &str) {
+        if let Some(c) = lock_map(&self.channels).get_mut(channel) {
+            c.ended = false;
+        }
+    }
+
+    /// Redis ended this connection's shard channels of `slot`: the slot has left the node
+    /// (a cluster's slot table says so). Those channels are left without a SUNSUBSCRIBE when
+    /// their last waiter here goes: the node would answer it `MOVED`, an error that fred hands
+    /// to the next command on the connection as its reply (a SSUBSCRIBE then fails that did
+    /// not, or succeeds in its place once the replies have shifted).
+    pub(super) fn ended(&self, slot: u16) {
+        for (name, c) in lock_map(&self.channels).iter_mut() {
+            if fred::util::redis_keyslot(name.as_bytes()) == slot {
+                c.ended = true;
+            }
+        }
+    }
+
+    /// On a cluster node: checks that the node still has every shard channel that waiters
+    /// here listen to, and subscribes again if not. Redis ends the shard channels of a slot
+    /// that leaves the node (fred drops the notice); a slot that leaves and comes back between
+    /// two looks at the slot table changes nothing in the table, and its waiters would hear
+    /// nothing more. The count the node keeps for the subscriber connection (`CLIENT LIST
+    /// ID`, field `ssub`) is compared with the channels that have waiters here; when it is
+    /// lower, every such channel is subscribed again (a SSUBSCRIBE of a channel the
+    /// connection has already changes nothing), and if that brought any back, every waiter
+    /// here looks again (a release may have come meanwhile). A channel the node no longer
+    /// serves is refused again (`MOVED`): its waiters are moved by the slot table.
+    pub(super) async fn verify(&self) {
+        if !self.clustered || !self.verifiable.load(Ordering::Acquire) {
+            return;
+        }
+        // No SSUBSCRIBE of ours is in flight meanwhile (a SUNSUBSCRIBE may be: the node then
+        // counts one more, and a loss is found at the next call).
+        let started = self.ops.lock().await;
+        if !*started {
+            return;
+        }
+        let listened: Vec<String> = lock_map(&self.channels)
+            .iter()
+            .filter(|(_, c)| c.subscribers > 0)
+            .map(|(name, _)| name.clone())
+            .collect();
+        if listened.is_empty() {
+            return;
+        }
+        let Some(before) = self.shard_channels().await else {
+            return;
+        };
+        if before >= listened.len() {
+            return;
+        }
+        for channel in listened {
+            if self.subscribe_to(channel.clone()).await.is_ok() {
+                self.subscribed_again(&channel);
+            }
+        }
+        let after = self.shard_channels().await;
+        drop(started);
+        if after.is_some_and(|after| after > before) {
+            tracing::debug!(
+                before,
+                ?after,
+                "shard channels the node had ended, subscribed again"
+            );
+            wake_all(&self.channels);
+        }
+    }
+
+    /// How many shard channels the node counts for the subscriber connection (`CLIENT LIST
+    /// ID`, field `ssub`, Redis 7.0 and later); `None` when it cannot tell (not connected, or
+    /// the command refused: then never asked again, with a warning).
+    async fn shard_channels(&self) -> Option<usize> {
+        use fred::types::{ClusterHash, CustomCommand};
+        let id = self.client.connection_ids().into_values().next()?;
+        let command = CustomCommand::new_static("CLIENT", ClusterHash::Random, false);
+        let args: Vec<Value> = vec!["LIST".into(), "ID".into(), id.into()];
+        match in_tokio(self.publisher.custom::<String, _>(command, args)).await {
+            Ok(line) => line
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("ssub="))
+                .and_then(|n| n.parse().ok()),
+            Err(e) if e.details().starts_with("NOPERM") => {
+                self.verifiable.store(false, Ordering::Release);
+                tracing::warn!(
+                    error = %e,
+                    "the Redis user may not run CLIENT LIST: a lock's slot that leaves a \
+                     cluster node and comes back between two looks at the slot table (100 ms) \
+                     ends its waiters' subscriptions there unseen, and they find a release by \
+                     their fallback re-check only (RetryPolicy max_delay)"
+                );
+                None
+            }
+            Err(_) => None,
+        }
     }
 }
 
@@ -382,15 +498,15 @@ impl Drop for Unsubscribe {
         // back for this channel in the meantime keeps it subscribed.
         runtime::background().spawn(async move {
             let _order = pubsub.ops.lock().await;
-            let idle = {
+            // A channel the node ended is not unsubscribed (see `PubSub::ended`).
+            let unsubscribe = {
                 let mut map = lock_map(&pubsub.channels);
-                let idle = map.get(&channel).is_some_and(|c| c.subscribers == 0);
-                if idle {
-                    map.remove(&channel);
+                match map.get(&channel) {
+                    Some(c) if c.subscribers == 0 => map.remove(&channel).is_some_and(|c| !c.ended),
+                    _ => false,
                 }
-                idle
             };
-            if idle {
+            if unsubscribe {
                 let _ = pubsub.unsubscribe(channel).await;
             }
         });

@@ -53,6 +53,8 @@ const MIGRATING_BUDGET: Duration = Duration::from_secs(10);
 /// owner before the move is seen here reaches its waiters only when they look again, after
 /// the move: this bounds how late such a hand-off is (it was a second). The table is asked of
 /// a node the waiters are subscribed on first, which knows at once that it gave a slot away.
+/// At the same pace each node checks that it still has its waiters' shard channels (a slot
+/// that left and came back between two looks ended them unseen; see `PubSub::verify`).
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// The primaries of a cluster and the slots each serves.
@@ -267,8 +269,14 @@ impl Shards {
                 continue;
             };
             let old = std::mem::replace(&mut *lock(&route.current), sub);
-            *lock(&route.addr) = addr;
-            // Unsubscribed from the old node as it goes.
+            let left = std::mem::replace(&mut *lock(&route.addr), addr);
+            // The old node ended the subscription as the slot left it: it is forgotten there
+            // without a SUNSUBSCRIBE (see `PubSub::ended`).
+            if let Some(node) = lock(&self.nodes).get(&left) {
+                node.inner
+                    .pubsub
+                    .ended(fred::util::redis_keyslot(key.as_bytes()));
+            }
             drop(old);
             route.moved.notify(usize::MAX);
         }
@@ -323,6 +331,12 @@ impl Shards {
                 // gives a slot away (another node may learn it later, by gossip).
                 this.refresh_asking(this.generation(), first.as_deref())
                     .await;
+                // A slot that left a node and came back since the last look changed nothing
+                // in the table, but ended its subscriptions there: each node checks its own.
+                let nodes: Vec<RedisBackend> = lock(&this.nodes).values().cloned().collect();
+                for node in nodes {
+                    node.inner.pubsub.verify().await;
+                }
             }
         });
     }
