@@ -48,6 +48,10 @@ pub(super) struct PubSub {
     /// connection has (`CLIENT LIST` needs the `@admin` category): [`verify`](Self::verify)
     /// then does nothing.
     verifiable: AtomicBool,
+    /// The counts (channels with waiters here, channels the node has) at which subscribing
+    /// again last brought nothing back (channels the node no longer serves, whose waiters
+    /// the slot table moves): [`verify`](Self::verify) does not try again until they change.
+    stuck: Mutex<Option<(usize, usize)>>,
 }
 
 /// What the check found.
@@ -115,6 +119,7 @@ impl PubSub {
             channels: Arc::default(),
             by_message: AtomicBool::new(true),
             verifiable: AtomicBool::new(true),
+            stuck: Mutex::new(None),
         }
     }
 
@@ -317,8 +322,8 @@ impl PubSub {
     /// Redis ended this connection's shard channels of `slot`: the slot has left the node
     /// (a cluster's slot table says so). Those channels are left without a SUNSUBSCRIBE when
     /// their last waiter here goes: the node would answer it `MOVED`, an error that fred hands
-    /// to the next command on the connection as its reply (a SSUBSCRIBE then fails that did
-    /// not, or succeeds in its place once the replies have shifted).
+    /// to the next command on the connection as its reply (another lock's SSUBSCRIBE then
+    /// fails, or, once the replies have shifted, takes the reply of the command before it).
     pub(super) fn ended(&self, slot: u16) {
         for (name, c) in lock_map(&self.channels).iter_mut() {
             if fred::util::redis_keyslot(name.as_bytes()) == slot {
@@ -358,7 +363,8 @@ impl PubSub {
         let Some(before) = self.shard_channels().await else {
             return;
         };
-        if before >= listened.len() {
+        let counts = Some((listened.len(), before));
+        if before >= listened.len() || self.stuck() == counts {
             return;
         }
         for channel in listened {
@@ -368,6 +374,8 @@ impl PubSub {
         }
         let after = self.shard_channels().await;
         drop(started);
+        *self.stuck.lock().unwrap_or_else(|p| p.into_inner()) =
+            counts.filter(|_| after == Some(before));
         if after.is_some_and(|after| after > before) {
             tracing::debug!(
                 before,
@@ -376,6 +384,11 @@ impl PubSub {
             );
             wake_all(&self.channels);
         }
+    }
+
+    /// See [`stuck`](Self::stuck) (the field).
+    fn stuck(&self) -> Option<(usize, usize)> {
+        *self.stuck.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// How many shard channels the node counts for the subscriber connection (`CLIENT LIST
