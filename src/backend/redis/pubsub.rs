@@ -52,6 +52,8 @@ pub(super) struct PubSub {
     /// again last brought nothing back (channels the node no longer serves, whose waiters
     /// the slot table moves): [`verify`](Self::verify) does not try again until they change.
     stuck: Mutex<Option<(usize, usize)>>,
+    /// A [`verify`](Self::verify) runs: another returns at once.
+    verifying: AtomicBool,
 }
 
 /// What the check found.
@@ -120,6 +122,7 @@ impl PubSub {
             by_message: AtomicBool::new(true),
             verifiable: AtomicBool::new(true),
             stuck: Mutex::new(None),
+            verifying: AtomicBool::new(false),
         }
     }
 
@@ -343,9 +346,18 @@ impl PubSub {
     /// here looks again (a release may have come meanwhile). A channel the node no longer
     /// serves is refused again (`MOVED`): its waiters are moved by the slot table.
     pub(super) async fn verify(&self) {
-        if !self.clustered || !self.verifiable.load(Ordering::Acquire) {
+        if !self.clustered
+            || !self.verifiable.load(Ordering::Acquire)
+            || self.verifying.swap(true, Ordering::AcqRel)
+        {
             return;
         }
+        self.verify_once().await;
+        self.verifying.store(false, Ordering::Release);
+    }
+
+    /// [`verify`](Self::verify), one at a time.
+    async fn verify_once(&self) {
         // No SSUBSCRIBE of ours is in flight meanwhile (a SUNSUBSCRIBE may be: the node then
         // counts one more, and a loss is found at the next call).
         let started = self.ops.lock().await;

@@ -332,10 +332,12 @@ impl Shards {
                 this.refresh_asking(this.generation(), first.as_deref())
                     .await;
                 // A slot that left a node and came back since the last look changed nothing
-                // in the table, but ended its subscriptions there: each node checks its own.
+                // in the table, but ended its subscriptions there: each node checks its own,
+                // in a task of its own (a node that does not answer holds up only itself).
                 let nodes: Vec<RedisBackend> = lock(&this.nodes).values().cloned().collect();
                 for node in nodes {
-                    node.inner.pubsub.verify().await;
+                    let pubsub = node.inner.pubsub.clone();
+                    crate::runtime::background().spawn(async move { pubsub.verify().await });
                 }
             }
         });
