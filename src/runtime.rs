@@ -194,6 +194,20 @@ pub(crate) async fn sleep(d: Duration) {
     }
 }
 
+/// Lets the other tasks of the executor run once before going on.
+pub(crate) async fn yield_now() {
+    let mut yielded = false;
+    future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
+}
+
 /// Sleeps until `deadline` (returns at once if it has passed).
 pub(crate) async fn sleep_until(deadline: Instant) {
     let now = Instant::now();
