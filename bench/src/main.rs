@@ -128,8 +128,34 @@ fn machine() -> String {
     )
 }
 
+/// One W5M row in a process of its own (`--w5m-row LEASES EXTENDED WINDOW_MS`), so that its
+/// memory per lease is the growth of a fresh process, not memory an earlier workload freed
+/// and this one reused. Prints the row's numbers on one line for the parent.
+async fn w5m_row(args: &[String]) {
+    let arg = |i: usize| args.get(i).and_then(|a| a.parse::<u64>().ok()).unwrap_or(0);
+    let (n, extended, window) = (arg(0) as usize, arg(1) == 1, Duration::from_millis(arg(2)));
+    let node = RedisServer::start();
+    let ttl = extended.then_some(Duration::from_secs(30));
+    let (h, churn) = workloads::w5_churn(&node.url(), &node, n, ttl, window, 64).await;
+    println!(
+        "W5MROW {} {:.0} {:.4} {:.4} {:.1} {} {:.1} {}",
+        h.acquire_time.as_millis(),
+        h.bytes_per_lease,
+        h.client_cpu_share,
+        h.redis_cpu_share,
+        h.scripts_per_sec,
+        h.rounds,
+        churn,
+        h.lost
+    );
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--w5m-row") {
+        return w5m_row(&args[i + 1..]).await;
+    }
     let plan = Plan::from_args();
     let started = Instant::now();
     let mut md = String::new();
@@ -446,31 +472,58 @@ async fn main() {
     // about a minute.
     if plan.runs("W5M") && (!plan.quick || plan.only.is_some()) {
         eprintln!("W5M");
-        let sizes: &[usize] = if plan.quick {
-            &[10_000, 100_000]
+        // The last row: the same million not extended, for the store's own cost.
+        let sizes: &[(usize, bool)] = if plan.quick {
+            &[(10_000, true), (100_000, true)]
         } else {
-            &[10_000, 100_000, 1_000_000]
+            &[
+                (10_000, true),
+                (100_000, true),
+                (1_000_000, true),
+                (1_000_000, false),
+            ]
         };
         let window = plan.w5_window * 4;
         writeln!(md, "## W5 at scale: leases held in one manager (TTL 30 s) while 64 tasks acquire and release, over {window:?}\n\n| leases | acquire all (1000 concurrent) | client memory per lease | client CPU | Redis CPU | Redis script calls/s | watchdog calls | churn cycles/s | churn vs 10k | lost |\n|---|---|---|---|---|---|---|---|---|---|").unwrap();
         let mut base = None;
-        for &n in sizes {
-            let node = RedisServer::start();
-            let (h, churn) =
-                workloads::w5_churn(&node.url(), &node, n, Duration::from_secs(30), window, 64)
-                    .await;
+        for &(n, extended) in sizes {
+            // Each row in a fresh process (see `w5m_row`).
+            let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+                .args([
+                    "--w5m-row",
+                    &n.to_string(),
+                    if extended { "1" } else { "0" },
+                ])
+                .arg(window.as_millis().to_string())
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .expect("run a W5M row");
+            let line = String::from_utf8_lossy(&out.stdout);
+            let f: Vec<f64> = line
+                .lines()
+                .find_map(|l| l.strip_prefix("W5MROW "))
+                .unwrap_or_else(|| panic!("a W5M row printed no numbers: {line}"))
+                .split_whitespace()
+                .map(|x| x.parse().unwrap_or(f64::NAN))
+                .collect();
+            let churn = f[6];
             let base = *base.get_or_insert(churn);
+            let leases = if extended {
+                n.to_string()
+            } else {
+                format!("{n}, not extended (watchdog off, TTL 10 min)")
+            };
             writeln!(
                 md,
-                "| {n} | {} | {:.0} B | {:.1} % of a core | {:.1} % of a core | {:.1} | {} | {churn:.0} | {:.2}x | {} |",
-                ms(h.acquire_time),
-                h.bytes_per_lease,
-                h.client_cpu_share * 100.0,
-                h.redis_cpu_share * 100.0,
-                h.scripts_per_sec,
-                h.rounds,
+                "| {leases} | {:.0} ms | {:.0} B | {:.1} % of a core | {:.1} % of a core | {:.1} | {} | {churn:.0} | {:.2}x | {} |",
+                f[0],
+                f[1],
+                f[2] * 100.0,
+                f[3] * 100.0,
+                f[4],
+                f[5],
                 churn / base,
-                h.lost
+                f[7]
             )
             .unwrap();
         }

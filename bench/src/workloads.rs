@@ -287,23 +287,29 @@ pub struct Held {
 /// W5: `n` leases held at once under the watchdog (ttl `ttl`, extended every ttl/3) for
 /// `window`.
 pub async fn w5(url: &str, srv: &RedisServer, n: usize, ttl: Duration, window: Duration) -> Held {
-    w5_churn(url, srv, n, ttl, window, 0).await.0
+    w5_churn(url, srv, n, Some(ttl), window, 0).await.0
 }
 
 /// W5 at scale: as [`w5`], while `tasks` tasks of the same manager acquire and release locks
 /// of their own (16 rotating keys each) for the whole window; also returns the churn's
-/// cycles per second.
+/// cycles per second. `ttl` `None`: the held leases are not extended (a 10-minute TTL, the
+/// watchdog off for them), to tell what the watchdog costs from what the store's size costs.
 pub async fn w5_churn(
     url: &str,
     srv: &RedisServer,
     n: usize,
-    ttl: Duration,
+    ttl: Option<Duration>,
     window: Duration,
     tasks: usize,
 ) -> (Held, f64) {
     let backend = redlease::RedisBackend::connect(url).await.expect("connect");
-    let locks = redlease::LockManager::with_options(backend, redlease::LockOptions::new().ttl(ttl))
-        .expect("opts");
+    let held = match ttl {
+        Some(ttl) => redlease::LockOptions::new().ttl(ttl),
+        None => redlease::LockOptions::new()
+            .ttl(Duration::from_secs(600))
+            .watchdog(false),
+    };
+    let locks = redlease::LockManager::with_options(backend, held).expect("opts");
     let rss_before = stats::rss_bytes();
     let began = Instant::now();
     let mut guards = Vec::with_capacity(n);
