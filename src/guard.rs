@@ -219,20 +219,29 @@ struct Held {
     /// small, and a lock made per acquire would hold its name twice).
     name: Option<Arc<str>>,
     fence: u64,
-    hold_count: Option<u32>,
-    /// The replicas that acknowledged the grant (see `ReplicaAck`).
-    replicas: Option<u32>,
+    /// The hold count and the replicas that acknowledged the grant (see `ReplicaAck`), each
+    /// `NONE` when not known (a held lease is kept small).
+    counts: [u32; 2],
     kept: Arc<Kept>,
     /// Set when this guard ends, so its `lost()` resolves then; made by the first `lost()`.
     done: OnceLock<Arc<Done>>,
     release: PendingClaim,
     /// When the winning attempt was sent, for the hold-time metric.
-    since: Instant,
+    since: u64,
+}
+
+/// A count that is not known, in `Held::counts`.
+const NONE: u32 = u32::MAX;
+
+fn known(n: u32) -> Option<u32> {
+    (n != NONE).then_some(n)
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        crate::telemetry::held(self.since.elapsed());
+        crate::telemetry::held(
+            (crate::watchdog::epoch() + Duration::from_nanos(self.since)).elapsed(),
+        );
         if let Some(done) = self.done.get() {
             done.set();
         }
@@ -272,7 +281,7 @@ impl fmt::Debug for LockGuard {
                 .field("kind", &h.release.claim.kind)
                 .field("fencing_token", &h.fence)
                 .field("lost", &h.kept.state.check_lost());
-            if let Some(n) = h.hold_count {
+            if let Some(n) = self.hold_count() {
                 d.field("hold_count", &n);
             }
         }
@@ -296,12 +305,11 @@ impl LockGuard {
             held: Some(Box::new(Held {
                 name,
                 fence,
-                hold_count,
-                replicas,
+                counts: [hold_count.unwrap_or(NONE), replicas.unwrap_or(NONE)],
                 kept,
                 done: OnceLock::new(),
                 release,
-                since: sent,
+                since: crate::watchdog::to_nanos(sent),
             })),
         }
     }
@@ -341,7 +349,7 @@ impl LockGuard {
     /// [`release`](Self::release) returns the count left. Over [`Redlock`](crate::Redlock),
     /// the largest count among the nodes that answered.
     pub fn hold_count(&self) -> Option<u32> {
-        self.held().hold_count
+        known(self.held().counts[0])
     }
 
     /// How many replicas acknowledged this hold's grant before it was reported, under a
@@ -357,7 +365,7 @@ impl LockGuard {
     /// # Ok::<(), redlease::Error>(()) }).unwrap();
     /// ```
     pub fn replicas_acked(&self) -> Option<u32> {
-        self.held().replicas
+        known(self.held().counts[1])
     }
 
     /// The fencing token of this hold: strictly greater than the token of every earlier hold
@@ -431,7 +439,7 @@ impl LockGuard {
         let lease = h.release.lease().unwrap_or(&claim.token);
         let started = Instant::now();
         let mut one = claim.lease(lease);
-        one.ttl = match h.kept.cap {
+        one.ttl = match h.kept.cap() {
             // Never past the maximum hold (a reentrant reign's lease is never shortened by
             // the store, so the watchdog could not bring it back).
             Some(cap) => {

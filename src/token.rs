@@ -52,6 +52,20 @@ impl Token {
         &self.secret
     }
 
+    /// The token without its label (what the watchdog keeps of it: a held lease is kept
+    /// small).
+    pub(crate) fn secret(&self) -> &Arc<str> {
+        &self.secret
+    }
+
+    /// The token whose secret is `secret`, with no label.
+    pub(crate) fn from_secret(secret: Arc<str>) -> Self {
+        Token {
+            secret,
+            label: None,
+        }
+    }
+
     /// The holder description carried with this token, if any.
     pub fn label(&self) -> Option<&str> {
         self.label.as_deref()
