@@ -284,10 +284,9 @@ const CALL_LEASES: usize = 256;
 const LOOKAHEAD_DIV: u64 = 4;
 const LOOKAHEAD_MAX: u64 = 100_000_000;
 
-/// Leases taken from the due heap in one go: the task then yields, so that what shares its
+/// Leases taken from the due times in one go: the task then yields, so that what shares its
 /// thread (the group commit's flusher, the wake-ups) is not held up by a round of a million
-/// leases (a pop from a heap that size costs about a microsecond and a half, in cache
-/// misses).
+/// leases.
 const TAKE_AT_ONCE: usize = 1024;
 
 /// One part of the store's due leases, by deadline, its calls in flight and its window.
