@@ -460,7 +460,7 @@ async fn main() {
         }
         writeln!(
             md,
-            "\nOne script call extends 256 leases; a round pipelines them all.\n"
+            "\nA watchdog call extends up to 256 leases in one script call; a part has a few calls in flight (\"watchdog rounds\" counts calls).\n"
         )
         .unwrap();
     }
