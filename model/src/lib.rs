@@ -1,0 +1,1 @@
+//! A model of redlease's lease protocol, checked with stateright.
