@@ -1,3 +1,12 @@
 //! The faults the nemesis injects that need more than a signal: a server's wall clock shifted
-//! (an `LD_PRELOAD` shim on the server process only) and network partitions (network
-//! namespaces and veth pairs).
+//! (an `LD_PRELOAD` shim on the server process only), network partitions (network namespaces
+//! and veth pairs), and delays, stalls and connection kills (a userspace TCP proxy).
+//!
+//! How each works, its limits and its clean-up: see each module, and `nemesis/shim/README`.
+#![forbid(unsafe_code)]
+
+pub mod clock;
+#[cfg(test)]
+mod testing;
+
+pub use clock::{ClockOffset, ClockShim};
