@@ -6,7 +6,9 @@
 #![forbid(unsafe_code)]
 
 pub mod clock;
+pub mod net;
 #[cfg(test)]
 mod testing;
 
 pub use clock::{ClockOffset, ClockShim};
+pub use net::Net;
