@@ -3,21 +3,33 @@
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 /// A redis-server child; killed (and reaped) on drop.
 pub struct Server {
     child: Child,
+    dir: PathBuf,
 }
 
 impl Server {
     /// Starts `prefix... redis-server <args>` with `env`, and returns once it logged that it
     /// accepts connections (read from its stdout: an event, not a sleep).
     pub fn start(prefix: &[String], args: &[&str], env: &[(String, String)]) -> Server {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "redlease-faults-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("test: server dir");
         let mut argv: Vec<String> = prefix.to_vec();
         argv.push("redis-server".into());
         argv.extend(["--save", "", "--appendonly", "no", "--daemonize", "no"].map(String::from));
+        // A replica writes the RDB it receives: into a directory of its own.
+        argv.extend(["--dir".to_string(), dir.display().to_string()]);
         argv.extend(args.iter().map(|a| a.to_string()));
         let mut child = Command::new(&argv[0])
             .args(&argv[1..])
@@ -43,7 +55,7 @@ impl Server {
         }
         // Keeps draining its log so that it never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Server { child }
+        Server { child, dir }
     }
 
     /// The server's process id.
@@ -56,6 +68,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
