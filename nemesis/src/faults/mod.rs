@@ -7,8 +7,10 @@
 
 pub mod clock;
 pub mod net;
+pub mod proxy;
 #[cfg(test)]
 mod testing;
 
 pub use clock::{ClockOffset, ClockShim};
 pub use net::Net;
+pub use proxy::{Counters, DelayProxy};
