@@ -205,20 +205,27 @@ impl Net {
         T: Send + 'static,
         F: FnOnce() -> io::Result<T> + Send + 'static,
     {
-        let ns = self.try_host(host)?.ns.clone();
-        let file = File::open(format!("/run/netns/{ns}"))?;
-        std::thread::spawn(move || {
-            nix::sched::setns(&file, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
-            f()
-        })
-        .join()
-        .map_err(|_| io::Error::other(format!("net: a thread in {ns} panicked")))?
+        within(&self.try_host(host)?.ns, f)
     }
 
     /// A TCP connection from `from` (a host, or [`CONTROL`] for the uncut control path) to
     /// `to`, giving up after `timeout` (a cut makes a connect wait, not fail).
     pub fn connect(&self, from: &str, to: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
-        self.within(from, move || TcpStream::connect_timeout(&to, timeout))
+        self.connector(from, to, timeout)?()
+    }
+
+    /// What [`connect`](Self::connect) does, as a function that holds only the namespace's
+    /// name (not the `Net`): for `DelayProxy::start_with(listen, net.connector(CONTROL, server,
+    /// timeout)?)`, a loopback port in the root namespace for a server in a host, which no cut
+    /// affects (and which the proxy can still delay, stall or kill).
+    pub fn connector(
+        &self,
+        from: &str,
+        to: SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<impl Fn() -> io::Result<TcpStream> + Send + Sync + 'static> {
+        let ns = self.try_host(from)?.ns.clone();
+        Ok(move || within(&ns, move || TcpStream::connect_timeout(&to, timeout)))
     }
 
     /// Cuts `a` and `b` apart both ways: their packets to each other vanish silently.
@@ -319,6 +326,22 @@ impl Drop for Net {
     }
 }
 
+/// Runs `f` on a new thread inside the namespace `ns`.
+fn within<T, F>(ns: &str, f: F) -> io::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+{
+    let file = File::open(format!("/run/netns/{ns}"))?;
+    let name = ns.to_string();
+    std::thread::spawn(move || {
+        nix::sched::setns(&file, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+        f()
+    })
+    .join()
+    .map_err(|_| io::Error::other(format!("net: a thread in {name} panicked")))?
+}
+
 /// The `ip neigh` line making `me` send `other`'s packets to `mac`.
 fn neigh(me: &Host, other: &Host, mac: &str) -> String {
     format!(
@@ -382,6 +405,7 @@ fn batch(ns: &str, lines: &[String]) -> io::Result<()> {
 mod tests {
     use super::*;
     use crate::faults::testing::{Conn, Reply, Server};
+    use crate::faults::DelayProxy;
     use std::net::SocketAddrV4;
 
     const PORT: u16 = 6379;
@@ -445,6 +469,17 @@ mod tests {
             conn(&net, CONTROL, "a").call(&["PING"]).expect("PING"),
             pong()
         );
+        // So does the root namespace, through a proxy on loopback.
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        let proxy = {
+            let _in = rt.enter();
+            let connect = net
+                .connector(CONTROL, at(&net, "a"), Duration::from_secs(10))
+                .expect("connector");
+            DelayProxy::start_with("127.0.0.1:0".parse().expect("addr"), connect).expect("proxy")
+        };
+        let mut root = Conn::connect(proxy.addr()).expect("connect through the proxy");
+        assert_eq!(root.call(&["PING"]).expect("PING"), pong());
 
         net.heal("a", "b").expect("heal");
         assert!(net.cuts_now().is_empty());
