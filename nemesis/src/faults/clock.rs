@@ -13,9 +13,12 @@
 //! it jumps with the offset, and goes negative after a jump back larger than the uptime) and
 //! the distance `TIME - LASTSAVE` (`LASTSAVE` itself stays: it is a stored instant). Both are
 //! what a restart quarantine reads, so a forward jump ends a quarantine at once and a jump back
-//! prolongs it by the jump. What does not move: `CLOCK_MONOTONIC` and the other clocks, so
-//! Redis's event-loop timers, `serverCron` frequency, client and replication timeouts run at
-//! the real pace.
+//! prolongs it by the jump (past the last save or start: uptime 0 until the clock catches
+//! up). The timeouts of blocked commands, `WAIT` included, are instants on the wall clock: a
+//! jump ahead ends them at once, a jump back lengthens them by the jump. A replica whose clock
+//! jumps ahead by more than `repl-timeout` (60 s) drops its primary ("MASTER timeout") and
+//! resyncs. What does not move: `CLOCK_MONOTONIC` and the other clocks, so the event loop's
+//! timers and `serverCron`'s pace stay real. See `nemesis/shim/README` for the measurements.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
@@ -180,7 +183,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shifted_server_moves_time_expiry_and_uptime_with_the_offset() {
+    fn a_shifted_server_moves_time_expiry_uptime_and_timeouts_with_the_offset() {
         let dir =
             std::env::temp_dir().join(format!("redlease-faults-clock-{}", std::process::id()));
         let shim = ClockShim::build(&dir).expect("build the shim (needs a C compiler)");
@@ -239,6 +242,24 @@ mod tests {
             uptime(&mut c) < 0,
             "uptime after a jump back past the start"
         );
+
+        // Blocked commands time out on the wall clock too: a WAIT for a replica that does
+        // not exist, for 10 minutes, ends at once when the clock jumps 11 minutes ahead
+        // (ReplicaAck's WAIT on a primary whose clock jumps returns early; back, late).
+        offset.set(0).expect("set");
+        c.send(&["WAIT", "1", "600000"]).expect("WAIT");
+        let mut d = Conn::connect(("127.0.0.1", port)).expect("connect");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let info = d.call(&["INFO", "clients"]).expect("INFO");
+            if info.text().is_some_and(|t| t.contains("blocked_clients:1")) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "WAIT never blocked");
+        }
+        offset.set(660_000).expect("set");
+        let woke = c.read(std::time::Duration::from_secs(60));
+        assert_eq!(woke.expect("WAIT ended by the jump"), Reply::Int(0));
         let _ = fs::remove_dir_all(&dir);
     }
 }
