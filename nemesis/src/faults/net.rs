@@ -9,6 +9,10 @@
 //! host through it with [`Net::connect`] (a socket made in the hub's namespace and used from
 //! the root one), or runs a command there with `exec_prefix(CONTROL)`. Every address is
 //! private to these namespaces: two `Net`s with other prefixes do not see each other.
+//! The harness's own clients can be placed in a host without a process there: a
+//! `DelayProxy::start_with(loopback, net.connector(host, server, timeout)?)` in the root
+//! namespace makes its upstream connections from `host`, so cutting `host` from the server's
+//! host stalls those clients as it would a process running in `host`.
 //!
 //! # How a cut works
 //! Every host knows every other host's MAC address through a permanent neighbour (ARP) entry,
@@ -455,6 +459,23 @@ mod tests {
         let mut b = conn(&net, "b", "a");
         assert_eq!(b.call(&["PING"]).expect("PING"), pong());
 
+        // Proxies in the root namespace, on loopback: one to `a` over the control path, one
+        // whose upstream connections are made from `b` (the harness's own clients, placed).
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        let _in = rt.enter();
+        let any = || "127.0.0.1:0".parse().expect("addr");
+        let timeout = Duration::from_secs(10);
+        let to_control = net
+            .connector(CONTROL, at(&net, "a"), timeout)
+            .expect("connector");
+        let to_control = DelayProxy::start_with(any(), to_control).expect("proxy");
+        let from_b = net
+            .connector("b", at(&net, "a"), timeout)
+            .expect("connector");
+        let from_b = DelayProxy::start_with(any(), from_b).expect("proxy");
+        let mut as_b = Conn::connect(from_b.addr()).expect("connect through the proxy");
+        assert_eq!(as_b.call(&["PING"]).expect("PING"), pong());
+
         net.cut("a", "b").expect("cut");
         assert_eq!(net.cuts_now().len(), 2);
         b.send(&["PING"])
@@ -471,17 +492,12 @@ mod tests {
             conn(&net, CONTROL, "a").call(&["PING"]).expect("PING"),
             pong()
         );
-        // So does the root namespace, through a proxy on loopback.
-        let rt = tokio::runtime::Runtime::new().expect("runtime");
-        let proxy = {
-            let _in = rt.enter();
-            let connect = net
-                .connector(CONTROL, at(&net, "a"), Duration::from_secs(10))
-                .expect("connector");
-            DelayProxy::start_with("127.0.0.1:0".parse().expect("addr"), connect).expect("proxy")
-        };
-        let mut root = Conn::connect(proxy.addr()).expect("connect through the proxy");
+        // So does the root namespace, through a proxy on loopback to the control path.
+        let mut root = Conn::connect(to_control.addr()).expect("connect through the proxy");
         assert_eq!(root.call(&["PING"]).expect("PING"), pong());
+        // A client in the root namespace whose proxy connects from `b` is cut with `b`.
+        as_b.send(&["PING"]).expect("send");
+        silent(&mut as_b, Duration::from_secs(2));
 
         net.heal("a", "b").expect("heal");
         assert!(net.cuts_now().is_empty());
@@ -491,6 +507,10 @@ mod tests {
             pong()
         );
         assert_eq!(b.call(&["PING"]).expect("PING"), pong());
+        assert_eq!(
+            as_b.read(Duration::from_secs(60)).expect("held PING"),
+            pong()
+        );
 
         // One way: `b`'s packets to `a` vanish, so `b`'s PING is never answered; `a`'s
         // packets to `b` still arrive (its earlier replies were all acknowledged).
