@@ -503,6 +503,15 @@ impl Extended {
 /// - [`release`](Self::release) deletes the lease only if the claim holds it
 ///   (compare-and-delete; a reentrant hold counts down first), and wakes the key's
 ///   subscribers.
+/// - **Send order.** Calls for one claim are made in order (the engine awaits a give-back
+///   before it tries again with the same token; a Redlock round's clean-up is made before
+///   its next round), but a copy of a command re-sent after a reconnect may run after a
+///   later one. A store where that can happen numbers each operation as it is made and
+///   keeps the number with the lease: a release ends only a lease granted by an acquire made
+///   before it (a late copy of an earlier release changes nothing and answers `None`), and
+///   an acquire made before the release that ended its token's lease is not granted again.
+///   A store that runs each call once, in the order made (as [`MemoryBackend`] does), keeps
+///   this as it is.
 /// - [`subscribe`](Self::subscribe) returns once a release will wake the subscription.
 /// - [`capabilities`](Self::capabilities) says which claim kinds the store serves; the lock
 ///   layer never sends it another kind. A store may answer one it does not serve with

@@ -296,17 +296,20 @@ impl RedisBackend {
     }
 }
 
-#[async_trait]
-impl Backend for RedisBackend {
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::ALL
-    }
-
-    async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
+impl RedisBackend {
+    /// [`Backend::acquire`], numbered `sent` (on a cluster, the same number on whichever
+    /// primary serves the key, also after a redirection).
+    async fn acquire_sent(
+        &self,
+        claim: &Claim,
+        attempt: Attempt,
+        terms: NodeTerms,
+        sent: u64,
+    ) -> Result<Acquire> {
         keys::check_ttl(claim.ttl)?;
         claim.check_token()?;
         on_shard!(self, claim.key.as_str(), |node| node
-            .acquire(claim, attempt, terms));
+            .acquire_sent(claim, attempt, terms, sent));
         self.inner.policy.check()?;
         self.check_connected(terms)?;
         // Boxed: most backends have acknowledgement off, and their calls' futures stay small.
@@ -320,6 +323,7 @@ impl Backend for RedisBackend {
                     claim: claim.clone(),
                     attempt,
                     terms,
+                    sent,
                 };
                 ops::acquired(claim, self.op(op).await?)?
             }
@@ -328,13 +332,14 @@ impl Backend for RedisBackend {
                 let op = Op::Fair {
                     claim: claim.clone(),
                     attempt,
+                    sent,
                 };
                 ops::acquired(claim, self.op(op).await?)?
             }
             // Boxed: inline, its state would make every plain acquire's future larger (and
             // slower to move).
             ClaimKind::Reentrant(owner) => {
-                Box::pin(self.reentrant_acquire(claim, owner, attempt, terms)).await?
+                Box::pin(self.reentrant_acquire(claim, owner, attempt, terms, sent)).await?
             }
             ClaimKind::Permit(0) => {
                 return Err(Error::invalid("a semaphore needs at least one permit"))
@@ -349,6 +354,7 @@ impl Backend for RedisBackend {
                     claim: claim.clone(),
                     permits,
                     attempt,
+                    sent,
                 };
                 ops::acquired(claim, self.op(op).await?)?
             }
@@ -360,6 +366,52 @@ impl Backend for RedisBackend {
             }
             other => Ok(other),
         }
+    }
+
+    /// [`Backend::release`], numbered `sent` (as for `acquire_sent`).
+    async fn release_sent(
+        &self,
+        claim: &Claim,
+        how: Release<'_>,
+        sent: u64,
+    ) -> Result<Option<u32>> {
+        claim.check_token()?;
+        on_shard!(self, claim.key.as_str(), |node| node
+            .release_sent(claim, how, sent));
+        let lease = match how {
+            Release::Confirmed { lease } => Some(lease),
+            Release::Abandon => None,
+        };
+        // Boxed, as in `acquire`. (Shared holds are released with the plain leases: the
+        // script tells them by their token.)
+        if let ClaimKind::Reentrant(owner) = &claim.kind {
+            return Box::pin(self.reentrant_release(claim, owner, lease, sent)).await;
+        }
+        let op = Op::Release {
+            key: claim.key.clone(),
+            token: claim.token.clone(),
+            tombstone: if lease.is_some() {
+                Duration::ZERO
+            } else {
+                TOMBSTONE
+            },
+            sent,
+        };
+        let (released, _) = self.op(op).await?;
+        Ok((released == 1).then_some(0))
+    }
+}
+
+#[async_trait]
+impl Backend for RedisBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
+    }
+
+    async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
+        // Numbered as it is made, before anything is awaited (see `ops::next_sent`).
+        self.acquire_sent(claim, attempt, terms, ops::next_sent())
+            .await
     }
 
     async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
@@ -385,28 +437,8 @@ impl Backend for RedisBackend {
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
-        claim.check_token()?;
-        on_shard!(self, claim.key.as_str(), |node| node.release(claim, how));
-        let lease = match how {
-            Release::Confirmed { lease } => Some(lease),
-            Release::Abandon => None,
-        };
-        // Boxed, as in `acquire`. (Shared holds are released with the plain leases: the
-        // script tells them by their token.)
-        if let ClaimKind::Reentrant(owner) = &claim.kind {
-            return Box::pin(self.reentrant_release(claim, owner, lease)).await;
-        }
-        let op = Op::Release {
-            key: claim.key.clone(),
-            token: claim.token.clone(),
-            tombstone: if lease.is_some() {
-                Duration::ZERO
-            } else {
-                TOMBSTONE
-            },
-        };
-        let (released, _) = self.op(op).await?;
-        Ok((released == 1).then_some(0))
+        // Numbered as it is made, before anything is awaited (see `ops::next_sent`).
+        self.release_sent(claim, how, ops::next_sent()).await
     }
 
     /// Plain and reentrant claims: one SUBSCRIBE per key's release channel and process,

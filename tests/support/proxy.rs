@@ -1,7 +1,11 @@
 //! A TCP proxy on loopback in front of a test server that can hold back what clients send:
 //! a write containing a given command (say `SUBSCRIBE`) waits at the proxy until the test
 //! lets it through, so a test can put its own step between a client sending a command and
-//! the server seeing it (the races a starved machine produces by chance).
+//! the server seeing it (the races a starved machine produces by chance). A write can also be
+//! held on its connection alone ([`hold_first`](Proxy::hold_first)) while the client's side
+//! of every connection is cut ([`cut_clients`](Proxy::cut_clients)): the client reconnects and
+//! re-sends, and the held copy reaches the server later on the old connection, as a partition
+//! that heals (or a server's socket buffer) delivers it.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -23,6 +27,8 @@ struct Shared {
     stop: AtomicBool,
     /// Every connection's two sockets, shut down when the proxy goes.
     sockets: Mutex<Vec<TcpStream>>,
+    /// The client's side of every connection (also in `sockets`).
+    clients: Mutex<Vec<TcpStream>>,
 }
 
 #[derive(Default)]
@@ -31,6 +37,19 @@ struct Gate {
     hold: Option<Vec<u8>>,
     /// Writes waiting (or that waited) since the last `hold`.
     held: usize,
+    /// The rules of [`Proxy::hold_first`], by their number.
+    first: Vec<First>,
+}
+
+/// Holds the first client write containing `what` until it is passed; later ones go through.
+struct First {
+    what: Vec<u8>,
+    /// Whether a write was held.
+    held: bool,
+    /// Whether the held write may go (and a write still to come is no longer held).
+    open: bool,
+    /// Whether the held write has been written to the server.
+    delivered: bool,
 }
 
 impl Shared {
@@ -101,12 +120,82 @@ impl Proxy {
         self.shared.gate().hold = None;
         self.shared.changed.notify_all();
     }
+
+    /// From now on, holds the first client write containing `what` (on whichever connection)
+    /// until [`pass_first`](Self::pass_first) with the number returned; later writes
+    /// containing it go through. Independent of [`hold`](Self::hold) and of other such rules.
+    pub fn hold_first(&self, what: &[u8]) -> usize {
+        let mut gate = self.shared.gate();
+        gate.first.push(First {
+            what: what.to_vec(),
+            held: false,
+            open: false,
+            delivered: false,
+        });
+        gate.first.len() - 1
+    }
+
+    /// Waits until rule `rule`'s write is held (at most `timeout`); whether it is.
+    pub fn wait_first_held(&self, rule: usize, timeout: Duration) -> bool {
+        self.wait_gate(timeout, |g| g.first[rule].held)
+    }
+
+    /// Lets rule `rule`'s held write through (on its own connection, if that is still open
+    /// towards the server), and holds nothing more under that rule.
+    pub fn pass_first(&self, rule: usize) {
+        self.shared.gate().first[rule].open = true;
+        self.shared.changed.notify_all();
+    }
+
+    /// Waits until rule `rule`'s held write has been written to the server (at most
+    /// `timeout`); whether it has.
+    pub fn wait_first_delivered(&self, rule: usize, timeout: Duration) -> bool {
+        self.wait_gate(timeout, |g| g.first[rule].delivered)
+    }
+
+    /// Closes the client's side of every connection made so far, keeping the server's side
+    /// open (with any write held on it): the client sees its connection drop and makes a new
+    /// one; the server sees nothing.
+    pub fn cut_clients(&self) {
+        let clients = std::mem::take(
+            &mut *self
+                .shared
+                .clients
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        for c in clients {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn wait_gate(&self, timeout: Duration, done: impl Fn(&Gate) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut gate = self.shared.gate();
+        while !done(&gate) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            gate = self
+                .shared
+                .changed
+                .wait_timeout(gate, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
 }
 
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         self.pass();
+        for rule in &mut self.shared.gate().first {
+            rule.open = true;
+        }
+        self.shared.changed.notify_all();
         let sockets = std::mem::take(
             &mut *self
                 .shared
@@ -124,11 +213,12 @@ impl Drop for Proxy {
 
 /// Pumps both ways between `client` and `server` on two threads.
 fn connect(shared: &Arc<Shared>, client: TcpStream, server: TcpStream) {
-    let (Ok(c2), Ok(s2), Ok(c3), Ok(s3)) = (
+    let (Ok(c2), Ok(s2), Ok(c3), Ok(s3), Ok(c4)) = (
         client.try_clone(),
         server.try_clone(),
         client.try_clone(),
         server.try_clone(),
+        client.try_clone(),
     ) else {
         return;
     };
@@ -137,6 +227,11 @@ fn connect(shared: &Arc<Shared>, client: TcpStream, server: TcpStream) {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .extend([c3, s3]);
+    shared
+        .clients
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(c4);
     let up = shared.clone();
     thread::spawn(move || {
         let _ = pump(client, server, Some(&up));
@@ -171,9 +266,29 @@ fn pump(mut from: TcpStream, mut to: TcpStream, gated: Option<&Shared>) -> io::R
                     }
                 }
             }
+            let rule = gate
+                .first
+                .iter()
+                .position(|r| !r.held && !r.open && ends_in_new(&tail, old, &r.what));
+            if let Some(rule) = rule {
+                gate.first[rule].held = true;
+                shared.changed.notify_all();
+                while !gate.first[rule].open && !shared.stop.load(Ordering::Acquire) {
+                    gate = shared.changed.wait(gate).unwrap_or_else(|p| p.into_inner());
+                }
+            }
             drop(gate);
             let keep = tail.len().min(64);
             tail.drain(..tail.len() - keep);
+            let written = to.write_all(&buf[..n]);
+            if let Some(rule) = rule {
+                shared.gate().first[rule].delivered = written.is_ok();
+                shared.changed.notify_all();
+            }
+            if let Err(e) = written {
+                break Err(e);
+            }
+            continue;
         }
         if let Err(e) = to.write_all(&buf[..n]) {
             break Err(e);

@@ -14,9 +14,9 @@
 //! | `p{name}:timeouts` | sorted set | fair waiters' tokens → deadline (server ms) |
 //! | `p{name}:handoff` | channel | a release hands the lock to the queue's head: its token |
 //! | `p{name}:owners` | hash | reentrant: {owner: hold count} of the reign holding the lease |
-//! | `p{name}:holds` | hash | reentrant: the reign's live holds {hold token: 1}, plus `owner`, `token` (the lease token) and `fence` |
+//! | `p{name}:holds` | hash | reentrant: the reign's live holds {hold token: the send number of the acquire that counted it}, plus `owner`, `token` (the lease token) and `fence` |
 //! | `p{name}:shared` | sorted set | reads of a read-write lock, or a semaphore's permits: {hold token: its expiry (server ms)}; the last 1,000 released holds (and, on a name with shared holds in its hour, released exclusive leases) with a negative score (minus the release's time), for a re-sent release (see `prelude.lua`); lives until the record's `z` |
-//! | `p{name}:sharers` | hash | the shared holds' {hold token: `'<fencing token> <label>'`} |
+//! | `p{name}:sharers` | hash | the shared holds' {hold token: `'<fencing token>/<send number> <label>'`} (the number of the acquire that granted or last renewed it; written before send numbers: `'<fencing token> <label>'`, number 0) |
 //! | `p{name}:writers` | sorted set | waiting plain claims (a read-write lock's writers): {token: until when (server ms) its preference runs}, at most 2.1 s past its last attempt; `v` is the latest; lives until `v` |
 //! | `p{name}:value` | hash | the cache: `v` payload, `d` compute time (µs), `g` grace (ms), `r` the round that wrote it |
 //! | `p{name}:filled` | channel | the cache: a value was written, or a round failed |
@@ -33,6 +33,8 @@
 //! | `f` | the last fencing token |
 //! | `h` | the holder's label (`''` for none), shown while held |
 //! | `r` | the token released before `t` was granted, so a re-sent release still says "ours" |
+//! | `n` | the send number (see "Send order" in `scripts/prelude.lua`) of the acquire that granted or last renewed `t`'s lease, or of the release that ended it: a release ends the lease only if it was sent after that acquire, and an acquire of `t` sent before that release is not granted; absent (0) in records written before send numbers |
+//! | `m` | `n` as it was when `r` was released: an acquire of `r` sent before that release is not granted |
 //! | `w` | until when (server ms) plain waiters want a message on release |
 //! | `v` | until when (server ms) a plain claim (a read-write lock's writer) waits: new reads wait behind it. The latest of the waiters' leases in `:writers` (each at most 2.1 s past that waiter's last attempt, which renews it); lowered when a waiter gives up; `0` once a plain claim is granted |
 //! | `s` | until when (server ms) shared waiters (reads, permits) want a message on release |

@@ -4,6 +4,7 @@
 //! plain leases (`release.lua` tells them by their token).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use fred::interfaces::ClientLike;
@@ -21,6 +22,20 @@ use crate::token::{LeaseKey, Owner, Token};
 /// per abandoned attempt.
 pub(super) const TOMBSTONE: Duration = Duration::from_secs(300);
 
+/// The last send number taken in this process (see [`next_sent`]).
+static SENT: AtomicU64 = AtomicU64::new(0);
+
+/// A new send number: strictly larger than every one taken before in this process. Every
+/// acquire and release takes one when it is made, before anything is sent, and sends it with
+/// each lease ("Send order" in `scripts/prelude.lua`): a release ends only a lease granted by
+/// an acquire sent before it, so a late copy of a release (re-sent by fred after a reconnect
+/// while the first copy still waited somewhere on its way) cannot end the lease that a later
+/// acquire with the same token was granted. A token is used by one process only, so the
+/// numbers compared for one token all come from this counter.
+pub(super) fn next_sent() -> u64 {
+    SENT.fetch_add(1, Ordering::Relaxed) + 1
+}
+
 /// One plain, fair or shared acquire attempt, or one release (no tombstone) or abandon (a
 /// tombstone), as queued for a batched script call. Acquires and releases share one queue, so that
 /// they reach the server in the order they were made: a release (or a quorum's clean-up) that
@@ -32,21 +47,25 @@ pub(super) enum Op {
         claim: Claim,
         attempt: Attempt,
         terms: NodeTerms,
+        sent: u64,
     },
     Fair {
         claim: Claim,
         attempt: Attempt,
+        sent: u64,
     },
     /// A read (`permits` 0) or one of `permits` permits.
     Shared {
         claim: Claim,
         permits: u32,
         attempt: Attempt,
+        sent: u64,
     },
     Release {
         key: LeaseKey,
         token: Token,
         tombstone: Duration,
+        sent: u64,
     },
 }
 
@@ -220,11 +239,12 @@ impl RedisBackend {
 
     /// Plain attempts as one `acquire.lua` call.
     async fn acquire_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        self.attempts(&self.inner.scripts.acquire, ops, 7, |op| {
+        self.attempts(&self.inner.scripts.acquire, ops, 8, |op| {
             let Op::Acquire {
                 claim,
                 attempt,
                 terms,
+                sent,
             } = op
             else {
                 return None;
@@ -244,6 +264,7 @@ impl RedisBackend {
                     terms.fence_floor.to_string().into(),
                     ms(terms.min_uptime).into(),
                     claim.token.label().unwrap_or_default().into(),
+                    sent.to_string().into(),
                 ],
             ))
         })
@@ -252,8 +273,13 @@ impl RedisBackend {
 
     /// Fair attempts as one `fair_acquire.lua` call.
     async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        self.attempts(&self.inner.scripts.fair_acquire, ops, 4, |op| {
-            let Op::Fair { claim, attempt } = op else {
+        self.attempts(&self.inner.scripts.fair_acquire, ops, 5, |op| {
+            let Op::Fair {
+                claim,
+                attempt,
+                sent,
+            } = op
+            else {
                 return None;
             };
             // At least 1 ms for a waiter: 0 means a single attempt.
@@ -265,6 +291,7 @@ impl RedisBackend {
                     ms(claim.ttl).into(),
                     expire.into(),
                     claim.token.label().unwrap_or_default().into(),
+                    sent.to_string().into(),
                 ],
             ))
         })
@@ -273,11 +300,12 @@ impl RedisBackend {
 
     /// Shared attempts (reads, permits) as one `shared_acquire.lua` call.
     async fn shared_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        self.attempts(&self.inner.scripts.shared_acquire, ops, 6, |op| {
+        self.attempts(&self.inner.scripts.shared_acquire, ops, 7, |op| {
             let Op::Shared {
                 claim,
                 permits,
                 attempt,
+                sent,
             } = op
             else {
                 return None;
@@ -294,6 +322,7 @@ impl RedisBackend {
                     arriving.into(),
                     i64::from(*permits).into(),
                     claim.token.label().unwrap_or_default().into(),
+                    sent.to_string().into(),
                 ],
             ))
         })
@@ -304,18 +333,23 @@ impl RedisBackend {
     /// own commands) per request.
     async fn release_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
         let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
-        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 2);
+        let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 3);
         for op in ops {
             let Op::Release {
                 key,
                 token,
                 tombstone,
+                sent,
             } = op
             else {
                 continue;
             };
             keys.push(key.as_str().into());
-            args.extend([token.as_str().into(), ms(*tombstone).into()]);
+            args.extend([
+                token.as_str().into(),
+                ms(*tombstone).into(),
+                sent.to_string().into(),
+            ]);
         }
         let reply: Vec<Value> = self
             .eval(&self.inner.scripts.release, self.declared(keys), args)
@@ -357,6 +391,7 @@ impl RedisBackend {
         owner: &Owner,
         attempt: Attempt,
         terms: NodeTerms,
+        sent: u64,
     ) -> Result<Acquire> {
         let (key, hold) = (&claim.key, &claim.token);
         let keys = vec![Key::from(key.as_str())];
@@ -372,6 +407,7 @@ impl RedisBackend {
             terms.fence_floor.to_string().into(),
             ms(terms.min_uptime).into(),
             hold.label().unwrap_or_default().into(),
+            sent.to_string().into(),
         ];
         let reply: Vec<Value> = self
             .eval(
@@ -408,6 +444,7 @@ impl RedisBackend {
         claim: &Claim,
         owner: &Owner,
         lease: Option<&Token>,
+        sent: u64,
     ) -> Result<Option<u32>> {
         let (key, hold) = (&claim.key, &claim.token);
         let keys = vec![Key::from(key.as_str())];
@@ -417,6 +454,7 @@ impl RedisBackend {
             hold.as_str().into(),
             lease.map_or("", Token::as_str).into(),
             tombstone.into(),
+            sent.to_string().into(),
         ];
         let reply: Vec<i64> = self
             .eval(

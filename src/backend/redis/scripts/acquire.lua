@@ -1,12 +1,13 @@
 -- Acquire leases, one or many at once (group commit): each lock is one hash, its record
 -- (fields: see keys.rs and prelude.lua). A free lock is granted with a new fencing token; a
 -- re-sent attempt that finds its own token is answered "ours" again.
--- Per lease i (0-based): KEYS[i+1] the lock's key; ARGV[7i+1..7i+7]:
+-- Per lease i (0-based): KEYS[i+1] the lock's key; ARGV[8i+1..8i+8]:
 --   token, ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
 --   1 for a waiting acquire's first attempt (it yields to registered waiters),
 --   fence floor (a quorum's proposed token; 0 for none),
 --   minimum uptime (ms; 0 for none: see below),
---   holder label (public description, '' for none; the record's `h`)
+--   holder label (public description, '' for none; the record's `h`),
+--   send number (see "Send order" in prelude.lua; kept as the record's `n`)
 -- Returns per lease a pair: {1, fencing token} granted, {0, ms left} held by another (or
 -- yielded to registered waiters; -2 when free), {-1, error} when a command of this lease
 -- failed (see prelude.lua; a key of another type fails the HMGET), or {2, ms to go} when
@@ -19,15 +20,16 @@ local now_ms, clock_us = server_clock()
 local uptime
 local function attempt(i)
   local key = KEYS[i + 1]
-  local token, ttl, flag, arriving = ARGV[7 * i + 1], tonumber(ARGV[7 * i + 2]), ARGV[7 * i + 3], ARGV[7 * i + 4]
-  local floor, min_uptime, label = tonumber(ARGV[7 * i + 5]), tonumber(ARGV[7 * i + 6]), ARGV[7 * i + 7]
+  local token, ttl, flag, arriving = ARGV[8 * i + 1], tonumber(ARGV[8 * i + 2]), ARGV[8 * i + 3], ARGV[8 * i + 4]
+  local floor, min_uptime, label = tonumber(ARGV[8 * i + 5]), tonumber(ARGV[8 * i + 6]), ARGV[8 * i + 7]
+  local n = tonumber(ARGV[8 * i + 8])
   if min_uptime > 0 then
     uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
     if uptime < min_uptime then
       return 2, min_uptime - uptime
     end
   end
-  local code, left, holder, seen = arrive(key, token, ttl, now_ms)
+  local code, left, holder, seen = arrive(key, token, ttl, now_ms, n)
   if code then
     return code, left
   end
@@ -56,7 +58,7 @@ local function attempt(i)
     -- them on newcomers' account.
     return 0, left
   end
-  local fence = grant(key, token, ttl, label, floor, seen[1], seen[2], seen[3], seen[4], now_ms, clock_us)
+  local fence = grant(key, token, ttl, label, floor, seen[1], seen[2], seen[3], seen[4], now_ms, clock_us, n, seen[8])
   if seen[7] and num(seen[7]) > now_ms then
     -- The writer that new reads waited behind has the lock (other writers still waiting say
     -- so again at their next attempt).
@@ -68,7 +70,7 @@ end
 
 local out = {}
 -- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
-for i = 0, #ARGV / 7 - 1 do
+for i = 0, #ARGV / 8 - 1 do
   out[2 * i + 1], out[2 * i + 2] = each(attempt, i)
 end
 return out

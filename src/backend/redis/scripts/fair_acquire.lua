@@ -2,9 +2,9 @@
 -- Per attempt i (0-based): KEYS[i+1] the lock's key (its record: see acquire.lua); beside it
 -- `<key>:queue` (list of waiting tokens, oldest first) and `<key>:timeouts` (sorted set:
 -- token -> deadline, server ms).
--- ARGV[4i+1..4i+4]:
+-- ARGV[5i+1..5i+5]:
 --   token, ttl (ms), waiter expiry (ms; 0 for a single attempt, which never joins the queue),
---   holder label ('' for none)
+--   holder label ('' for none), send number (see "Send order" in prelude.lua)
 -- Returns per attempt a pair: {1, fencing token} granted, {-1, error} when a command of this
 -- attempt failed (see prelude.lua), or {0, n} not granted, where n is
 -- how long until a re-check is worth it: the holder's time left, or, when the lease is free
@@ -19,9 +19,10 @@ local function attempt(i)
   local key = KEYS[i + 1]
   local queue, timeouts = key .. ':queue', key .. ':timeouts'
   local token, ttl, expire, label =
-    ARGV[4 * i + 1], tonumber(ARGV[4 * i + 2]), tonumber(ARGV[4 * i + 3]), ARGV[4 * i + 4]
+    ARGV[5 * i + 1], tonumber(ARGV[5 * i + 2]), tonumber(ARGV[5 * i + 3]), ARGV[5 * i + 4]
+  local n = tonumber(ARGV[5 * i + 5])
   -- (A barred token is a waiter that gave up and left: it is never granted nor queued.)
-  local code, left, holder, seen = arrive(key, token, ttl, now_ms)
+  local code, left, holder, seen = arrive(key, token, ttl, now_ms, n)
   if code then
     return code, left
   end
@@ -33,7 +34,7 @@ local function attempt(i)
       redis.call('LPOP', queue)
       redis.call('ZREM', timeouts, token)
     end
-    return 1, grant(key, token, ttl, label, 0, t, e, f, x, now_ms, clock_us)
+    return 1, grant(key, token, ttl, label, 0, t, e, f, x, now_ms, clock_us, n, seen[8])
   end
   if expire > 0 then
     -- Join at the tail, or stay in place and refresh the deadline.
@@ -66,7 +67,7 @@ end
 
 local out = {}
 -- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
-for i = 0, #ARGV / 4 - 1 do
+for i = 0, #ARGV / 5 - 1 do
   out[2 * i + 1], out[2 * i + 2] = each(attempt, i)
 end
 return out

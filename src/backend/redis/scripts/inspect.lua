@@ -27,7 +27,7 @@ if left ~= -2 and shared_mode(seen[1]) then
   shared = #tokens
   if shared > 0 then
     for _, v in ipairs(redis.call('HMGET', key .. ':sharers', unpack(tokens, 1, math.min(#tokens, 1000)))) do
-      local l = v and string.match(v, '^%d+ (.+)$')
+      local l = v and string.match(v, '^[%d/]+ (.+)$')
       if l then
         labels[#labels + 1] = l
       end

@@ -220,13 +220,19 @@ end
 -- the fair queue's head while `q` says the queue may hold waiters. Nothing after the HSET can
 -- fail the release: a flag that is no number counts as unset, and the wake-ups are under
 -- pcall (a queue of another type, a channel the user's ACL refuses: waiters find out by their
--- fallback re-check).
-local function end_lease(key, w, q, now_ms, released, s)
+-- fallback re-check). `n`: the release's send number (see "Send order" below; nil for none),
+-- kept as the record's `n`, so that a late copy of an acquire sent before it is not granted.
+local function end_lease(key, w, q, now_ms, released, s, n)
+  local args = {'HSET', key, 'e', '0', 'h', ''}
   if released then
-    redis.call('HSET', key, 't', released, 'e', '0', 'h', '')
-  else
-    redis.call('HSET', key, 'e', '0', 'h', '')
+    args[#args + 1] = 't'
+    args[#args + 1] = released
   end
+  if n then
+    args[#args + 1] = 'n'
+    args[#args + 1] = int(n)
+  end
+  redis.call(unpack(args))
   if (tonumber(s) or 0) > now_ms then
     redis.pcall('PUBLISH', key .. ':released', '*')
   elseif (tonumber(w) or 0) > now_ms then
@@ -244,9 +250,11 @@ end
 -- `floor` (a Redlock quorum's proposal; 0 for none), which is capped at the clock plus 2 s
 -- (a client whose clock runs fast cannot push the counter far ahead of the clocks that floor
 -- it after a restart). A token the last holder released is kept as `r`, for its re-sent
--- release (across a time of shared holds, whose markers never take its place). Costs one
--- HSET, and a PEXPIREAT when the record's hour needs renewing.
-local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us)
+-- release (across a time of shared holds, whose markers never take its place), with its
+-- release's send number `m` (the record's `n` as read, `n_seen`). `n`: the acquire's send
+-- number, kept as `n` (nil: none, for a shared mode's marker). Costs one HSET, and a
+-- PEXPIREAT when the record's hour needs renewing.
+local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us, n, n_seen)
   ours(key, x, t, f)
   local fence = math.max((num(f) or 0) + 1, clock_us, math.min(floor, clock_us + 2000000))
   local until_ms = now_ms + ttl
@@ -255,6 +263,12 @@ local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us
   if e == '0' and t and t ~= token and string.sub(t, 1, 1) ~= '*' then
     args[#args + 1] = 'r'
     args[#args + 1] = t
+    args[#args + 1] = 'm'
+    args[#args + 1] = int(num(n_seen) or 0)
+  end
+  if n then
+    args[#args + 1] = 'n'
+    args[#args + 1] = int(n)
   end
   if at then
     args[#args + 1] = 'x'
@@ -270,21 +284,55 @@ local function released_by(token, t, e, r)
   return (t == token and e == '0') or r == token
 end
 
+-- Send order. A client numbers every acquire and release it sends (one counter per process,
+-- strictly increasing in the order the operations are made; a token is used by one process
+-- only), and the record keeps, as `n`, the number of the last acquire that granted or renewed
+-- `t`'s lease, or of the release that ended it (`m`: the same for `r`). A copy of a command
+-- may run late: re-sent after a reconnect while the first copy still waited in the server's
+-- socket buffer or in the network. So a release ends only a lease granted by an acquire sent
+-- before it (a late release of a lease given back, then granted again under the same token,
+-- changes nothing), and an acquire sent before the release that ended its token's lease is
+-- not granted again. Records written without numbers count as 0.
+
+-- Whether an acquire numbered `n` of `token` is a late copy, sent before the release that
+-- ended `token`'s lease in a record read as `t`, `e`, `n`, `r`, `m`.
+local function stale_acquire(token, n, t, e, tn, r, m)
+  return (t == token and e == '0' and (num(tn) or 0) > n) or (r == token and (num(m) or 0) > n)
+end
+
 -- The first steps of the plain and fair acquire scripts on `key`'s record: an attempt that
 -- finds its own lease (re-sent after a reconnect, or sent again) is answered "ours",
--- extended to `ttl` from now, with its fencing token; a barred token (see bar) is refused.
--- Returns that answer as (code, value), or nil, the holder's ms left (-2 when free), the
--- holder (false when free) and the record as read: {t, e, f, x, a, w, v}.
-local function arrive(key, token, ttl, now_ms)
-  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w', 'v')
+-- extended to `ttl` from now, with its fencing token (its send number `n` raises the
+-- record's, never lowers it); a barred token (see bar), or a late copy of an attempt whose
+-- token a later release ended (see "Send order"), is refused. Returns that answer as (code,
+-- value), or nil, the holder's ms left (-2 when free), the holder (false when free) and the
+-- record as read: {t, e, f, x, a, w, v, n}.
+local function arrive(key, token, ttl, now_ms, n)
+  local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w', 'v', 'n', 'r', 'm')
   local holder = holding(seen[1], seen[2], now_ms)
   if holder == token then
-    stamp(key, 'e', now_ms + ttl, seen[4])
+    local until_ms = now_ms + ttl
+    local at = renewal(seen[4], until_ms)
+    local args = {'HSET', key, 'e', int(until_ms)}
+    if (num(seen[8]) or 0) < n then
+      args[#args + 1] = 'n'
+      args[#args + 1] = int(n)
+    end
+    if at then
+      args[#args + 1] = 'x'
+      args[#args + 1] = int(at)
+    end
+    redis.call(unpack(args))
+    expire_at(key, at)
     return 1, num(seen[3]) or 0
   end
   local left = holder and tonumber(seen[2]) - now_ms or -2
   if barred(key, token, seen[5], now_ms) then
     -- A late copy of an attempt that was given up and cleaned up already: never grant it.
+    return 0, left
+  end
+  if stale_acquire(token, n, seen[1], seen[2], seen[8], seen[9], seen[10]) then
+    -- A late copy of an attempt whose lease was released already.
     return 0, left
   end
   return nil, left, holder, seen
@@ -307,6 +355,14 @@ local KEPT, KEPT_MOST = 60000, 1000
 -- Whether `t` is a shared mode's marker.
 local function shared_mode(t)
   return t == READ or t == PERMITS
+end
+
+-- A shared hold's entry in `<key>:sharers`, '<fencing token>/<send number> <label>' (see
+-- "Send order"; an entry written before send numbers, '<fencing token> <label>', counts as
+-- number 0): its fencing token and send number (nil, 0 for no entry).
+local function sharer(v)
+  local fence, n = string.match(v or '', '^(%d+)/?(%d*)')
+  return tonumber(fence), tonumber(n) or 0
 end
 
 -- Drops `key`'s shared holds that ran out by `now_ms`, with their fences and labels: one

@@ -1,11 +1,12 @@
 -- Reentrant acquire: add one hold of an owner to the lock, starting a reign if it is free.
 -- KEYS[1] the lock's key (its record: see acquire.lua); beside it `<key>:owners`
---   {owner: count} and `<key>:holds` {owner = .., token = lease token, fence = .., <hold> = 1
---   per live hold}
+--   {owner: count} and `<key>:holds` {owner = .., token = lease token, fence = .., <hold> =
+--   the send number of the acquire that counted it (see "Send order" in prelude.lua; 1 when
+--   written before send numbers) per live hold}
 -- ARGV: owner, hold (an `h…` token), ttl (ms), waiters-flag ttl (ms; 0 when not waiting),
 --   1 for a waiting acquire's first attempt, fence floor, minimum uptime (ms), holder label
 --   ('' for none; the record's `h` while the reign holds; a client that sends no label
---   leaves none)
+--   leaves none), send number (see "Send order" in prelude.lua; 0 when not sent)
 -- Returns {1, fencing token, lease token, count} (counted), {0, ms left} (held by another
 -- owner or a plain lock, or yielded to registered waiters; -2 when free) or {2, ms to go} (up
 -- for less than the minimum uptime: see acquire.lua).
@@ -21,6 +22,7 @@ local owner, hold, ttl, flag, arriving =
   ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local floor, min_uptime = tonumber(ARGV[6]), tonumber(ARGV[7])
 local label = ARGV[8] or ''
+local n = tonumber(ARGV[9] or '0')
 local now_ms, clock_us = server_clock()
 if min_uptime > 0 then
   local up = uptime_ms(min_uptime, math.floor(now_ms / 1000))
@@ -28,7 +30,7 @@ if min_uptime > 0 then
     return {2, min_uptime - up}
   end
 end
-local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w')
+local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w', 'n', 'r', 'm')
 local t, e, f, x, a, w = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6]
 local current = holding(t, e, now_ms)
 local left = current and tonumber(e) - now_ms or -2
@@ -36,14 +38,22 @@ if barred(key, hold, a, now_ms) then
   -- A late copy of an attempt that was given up and cleaned up already.
   return {0, left}
 end
+if stale_acquire(hold, n, t, e, seen[7], seen[8], seen[9]) then
+  -- A late copy of an attempt whose reign was released already.
+  return {0, left}
+end
 if current then
   local reign = redis.call('HMGET', holds, 'token', 'owner', 'fence')
   if reign[1] == current and reign[2] == owner then
     local count
-    if redis.call('HSETNX', holds, hold, '1') == 1 then
+    if redis.call('HSETNX', holds, hold, int(n)) == 1 then
       count = redis.call('HINCRBY', owners, owner, 1)
     else
       count = tonumber(redis.call('HGET', owners, owner) or '0')
+      -- Counted already: its send number rises to this attempt's, never falls.
+      if (tonumber(redis.call('HGET', holds, hold)) or 0) < n then
+        redis.call('HSET', holds, hold, int(n))
+      end
     end
     -- A re-entry never shortens the lease.
     local keep = math.max(left, ttl)
@@ -63,9 +73,9 @@ if arriving == '1' and w and num(w) > now_ms then
   return {0, -2}
 end
 -- The label of the hold that starts the reign is the reign's.
-local value = grant(key, hold, ttl, label, floor, t, e, f, x, now_ms, clock_us)
+local value = grant(key, hold, ttl, label, floor, t, e, f, x, now_ms, clock_us, n, seen[7])
 redis.call('DEL', owners, holds)
-redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', int(value), hold, '1')
+redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', int(value), hold, int(n))
 redis.call('HSET', owners, owner, 1)
 redis.call('PEXPIRE', owners, ttl)
 redis.call('PEXPIRE', holds, ttl)

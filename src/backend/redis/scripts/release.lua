@@ -3,17 +3,20 @@
 -- its token on `<key>:handoff` (only that waiter acts on it). See end_lease in prelude.lua.
 -- A shared hold (a read, a permit: its token starts with `s`) is taken out of the lock's
 -- shared holds instead (see "Shared holds" in prelude.lua, and release_shared below).
--- Per lease i (0-based): KEYS[i+1] the lock's key; ARGV[2i+1..2i+2]:
+-- Per lease i (0-based): KEYS[i+1] the lock's key; ARGV[3i+1..3i+3]:
 --   token,
 --   tombstone ms: > 0 when abandoning an attempt whose outcome is unknown; the token is
 --   then barred from the acquire scripts for that long, so a late copy of the attempt
 --   (re-sent after a reconnect) cannot take the lease after this clean-up (see bar in
 --   prelude.lua); it also leaves the fair queue, and withdraws a waiting writer's preference
---   (see withdraw)
+--   (see withdraw),
+--   send number (see "Send order" in prelude.lua): the lease is ended only if the acquire
+--   that granted (or last renewed) it was sent before this release; kept as the record's `n`
 -- Returns per lease 1 (released, also when a re-sent release finds it released by the same
 -- token, and when a step after the release failed), 0 (not ours: another token, the lease
--- ran out, or no record at all there), or the error's text when this lease's release failed
--- (see prelude.lua).
+-- ran out, no record at all there, or a late copy of a release sent before the acquire that
+-- holds the lease now: it changes nothing), or the error's text when this lease's release
+-- failed (see prelude.lua).
 -- The common case costs TIME once per call, then HMGET and HSET per lease.
 local now_ms
 local function now()
@@ -38,7 +41,7 @@ end
 -- the lease and wakes waiters (see end_lease); one that leaves others holding permits wakes
 -- one permit waiter per process while `s` says some wait (a read that others still share
 -- frees nothing anyone waits for). A released hold is kept, for its re-sent release.
-local function release_shared(key, token)
+local function release_shared(key, token, n)
   local seen = record(key, 't', 'e', 'w', 'q', 's')
   if not seen then
     return 0
@@ -55,6 +58,11 @@ local function release_shared(key, token)
   end
   -- (pcall: a hash of another type beside the set must not keep the hold from being given
   -- back.)
+  local entry = redis.pcall('HGET', key .. ':sharers', token)
+  if type(entry) == 'string' and select(2, sharer(entry)) > n then
+    -- A late copy of a release sent before the acquire that holds this hold now.
+    return 0
+  end
   redis.pcall('HDEL', key .. ':sharers', token)
   if score <= now() or not shared_mode(holding(t, e, now())) then
     redis.call('ZREM', shared, token)
@@ -105,13 +113,14 @@ local function withdraw(key, token)
 end
 
 local function release(i)
-  local key, token, tombstone = KEYS[i + 1], ARGV[2 * i + 1], tonumber(ARGV[2 * i + 2])
+  local key, token, tombstone = KEYS[i + 1], ARGV[3 * i + 1], tonumber(ARGV[3 * i + 2])
+  local n = tonumber(ARGV[3 * i + 3])
   local wake = false
   if tombstone > 0 then
     bar(key, token, now(), tombstone)
   end
   if string.sub(token, 1, 1) == 's' then
-    return release_shared(key, token)
+    return release_shared(key, token, n)
   end
   if tombstone > 0 then
     -- A fair waiter that gave up leaves the queue at once; if it was the head, the next one
@@ -125,7 +134,7 @@ local function release(i)
     -- must not keep the claim from being given back; its preference then lapses.)
     pcall(withdraw, key, token)
   end
-  local seen = record(key, 't', 'e', 'r', 'w', 'q', 's', 'z')
+  local seen = record(key, 't', 'e', 'r', 'w', 'q', 's', 'z', 'n')
   if not seen then
     return 0
   end
@@ -133,7 +142,12 @@ local function release(i)
   -- The name has had shared holds within its hour (`z`): a read-write lock.
   local shared_too = (tonumber(seen[7]) or 0) > now()
   if t == token and holding(t, e, now()) then
-    end_lease(key, seen[4], seen[5], now(), nil, seen[6])
+    if (num(seen[8]) or 0) > n then
+      -- A late copy of a release sent before the acquire that holds the lease now (the
+      -- lease was given back and granted again under the same token): not this lease's.
+      return 0
+    end
+    end_lease(key, seen[4], seen[5], now(), nil, seen[6], n)
     if shared_too then
       -- Released, whatever fails after this.
       pcall(keep_released, key, token)
@@ -155,7 +169,7 @@ end
 
 local out = {}
 -- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
-for i = 0, #ARGV / 2 - 1 do
+for i = 0, #ARGV / 3 - 1 do
   local code, err = each(function(j) return release(j), nil end, i)
   out[i + 1] = err or code
 end

@@ -2,9 +2,10 @@
 -- or one of a semaphore's permits, each a lease of its own (see "Shared holds" in
 -- prelude.lua). Attempts on one key run in the order given.
 -- Per attempt i (0-based): KEYS[i+1] the lock's key (its record: see acquire.lua; beside it
--- `<key>:shared` and `<key>:sharers`); ARGV[6i+1..6i+6]: token (an `s…` token), ttl (ms),
+-- `<key>:shared` and `<key>:sharers`); ARGV[7i+1..7i+7]: token (an `s…` token), ttl (ms),
 -- waiters-flag ttl (ms; 0 when not waiting), 1 for a waiting acquire's first attempt, permits
--- (the claim's count; 0 for a read, which any number may hold), holder label ('' for none)
+-- (the claim's count; 0 for a read, which any number may hold), holder label ('' for none),
+-- send number (see "Send order" in prelude.lua; kept in the hold's `:sharers` entry)
 -- Returns per attempt a pair: {1, fencing token} granted (also when a re-sent attempt finds
 -- its own hold: it is extended to ttl from now), {-1, error} when a command of this attempt
 -- failed (see prelude.lua), or {0, ms left}: held by a write or another kind of claim, every
@@ -23,8 +24,8 @@
 local now_ms, clock_us = server_clock()
 local function attempt(i)
   local key = KEYS[i + 1]
-  local token, ttl, flag, arriving = ARGV[6 * i + 1], tonumber(ARGV[6 * i + 2]), ARGV[6 * i + 3], ARGV[6 * i + 4]
-  local permits, label = tonumber(ARGV[6 * i + 5]), ARGV[6 * i + 6]
+  local token, ttl, flag, arriving = ARGV[7 * i + 1], tonumber(ARGV[7 * i + 2]), ARGV[7 * i + 3], ARGV[7 * i + 4]
+  local permits, label, n = tonumber(ARGV[7 * i + 5]), ARGV[7 * i + 6], tonumber(ARGV[7 * i + 7])
   local mode = permits > 0 and PERMITS or READ
   local shared, sharers = key .. ':shared', key .. ':sharers'
   local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's', 'z')
@@ -41,8 +42,14 @@ local function attempt(i)
         stamp(key, 'e', until_ms, x)
       end
       keep_shared(key, until_ms, z)
-      local fence = string.match(redis.call('HGET', sharers, token) or '', '^(%d+)')
-      return 1, tonumber(fence) or num(f) or 0
+      local entry = redis.call('HGET', sharers, token)
+      local fence, had = sharer(entry)
+      if entry and had < n then
+        -- Its send number rises to this attempt's (see "Send order" in prelude.lua).
+        local rest = string.match(entry, '^[%d/]+ (.*)$') or ''
+        redis.call('HSET', sharers, token, int(fence) .. '/' .. int(n) .. ' ' .. rest)
+      end
+      return 1, fence or num(f) or 0
     end
     if mine and mine < 0 then
       -- Released already (see keep_released): a late copy of the attempt, arriving after
@@ -91,7 +98,7 @@ local function attempt(i)
   local until_ms = now_ms + ttl
   -- As grant's, with no floor (shared claims are not served over Redlock).
   local fence = math.max((num(f) or 0) + 1, clock_us)
-  redis.call('HSET', sharers, token, int(fence) .. ' ' .. label)
+  redis.call('HSET', sharers, token, int(fence) .. '/' .. int(n) .. ' ' .. label)
   redis.call('ZADD', shared, int(until_ms), token)
   if not holder then
     grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
@@ -116,7 +123,7 @@ end
 
 local out = {}
 -- (Counted by ARGV: on a cluster KEYS also declares the keys beside each lock; see keys.rs.)
-for i = 0, #ARGV / 6 - 1 do
+for i = 0, #ARGV / 7 - 1 do
   out[2 * i + 1], out[2 * i + 2] = each(attempt, i)
 end
 return out
