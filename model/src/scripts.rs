@@ -23,6 +23,10 @@ pub struct Rules {
     pub clock_floor: bool,
     /// `bar` writes the tombstone. Off: an abandon is a plain release.
     pub tombstone: bool,
+    /// Send order: a release ends only a lease granted by an acquire sent before it, and an
+    /// acquire sent before a later operation of its token is not granted. Off: numbers are
+    /// ignored (the protocol before them).
+    pub send_order: bool,
 }
 
 /// A lock record with the keys beside it (`<key>:abandoned`, `:writers`, `:shared`,
@@ -38,6 +42,10 @@ pub struct Data {
     pub f: u32,
     /// `r`: the token whose release the last grant replaced.
     pub r: Tok,
+    /// `n`: the send number of `t`'s last grant, renewal or release (0: none).
+    pub n: u16,
+    /// `m`: `n` as it was when `r` was released.
+    pub m: u16,
     /// `w`: plain waiters' flag (releases publish while it runs).
     pub w: i16,
     /// `v`: the writer preference (new reads wait while it runs).
@@ -52,8 +60,8 @@ pub struct Data {
     pub writers: Vec<(Tok, i16)>,
     /// `<key>:shared`: shared holds, token → expiry (negative: released at minus that).
     pub shared: Vec<(Tok, i16)>,
-    /// `<key>:sharers`: shared holds' fencing tokens.
-    pub sharers: Vec<(Tok, u32)>,
+    /// `<key>:sharers`: shared holds' fencing tokens and send numbers.
+    pub sharers: Vec<(Tok, (u32, u16))>,
 }
 
 fn get<V: Copy>(m: &[(Tok, V)], k: Tok) -> Option<V> {
@@ -123,8 +131,23 @@ impl Data {
         self.a > now && get(&self.abandoned, token).is_some()
     }
 
-    /// `grant`: returns the fence.
-    fn grant(&mut self, rules: Rules, token: Tok, ttl: i16, floor: u32, now: i16) -> u32 {
+    /// `stale_acquire`: an acquire numbered `seq` of `token`, which does not hold the lease,
+    /// was sent before a later operation of that token ran here.
+    fn stale_acquire(&self, rules: Rules, token: Tok, seq: u16) -> bool {
+        rules.send_order && ((self.t == token && self.n > seq) || (self.r == token && self.m > seq))
+    }
+
+    /// `grant`: returns the fence. `seq`: the acquire's send number (`None`: a shared mode's
+    /// marker, which keeps `n`).
+    fn grant(
+        &mut self,
+        rules: Rules,
+        token: Tok,
+        ttl: i16,
+        floor: u32,
+        now: i16,
+        seq: Option<u16>,
+    ) -> u32 {
         let clock_us = u32::try_from(now.max(0)).unwrap_or(0) * SCALE;
         let mut fence = (self.f + 1).max(floor.min(clock_us + 2 * SCALE));
         if rules.clock_floor {
@@ -132,6 +155,10 @@ impl Data {
         }
         if self.e == 0 && self.t != 0 && self.t != token && self.t != READ && self.t != PERMITS {
             self.r = self.t;
+            self.m = self.n;
+        }
+        if let Some(seq) = seq {
+            self.n = seq;
         }
         self.t = token;
         self.e = now + ttl;
@@ -158,15 +185,20 @@ impl Data {
         arriving: bool,
         floor: u32,
         now: i16,
+        seq: u16,
         fx: &mut Effects,
     ) -> Answer {
         // arrive
         let holder = holding(self.t, self.e, now);
         if holder == Some(token) {
             self.e = now + ttl;
+            self.n = self.n.max(seq);
             return Answer::Granted(self.f);
         }
         if self.barred(token, now) {
+            return Answer::Held;
+        }
+        if self.stale_acquire(rules, token, seq) {
             return Answer::Held;
         }
         if holder.is_some() {
@@ -182,7 +214,7 @@ impl Data {
         if arriving && self.w > now {
             return Answer::Held;
         }
-        let fence = self.grant(rules, token, ttl, floor, now);
+        let fence = self.grant(rules, token, ttl, floor, now, Some(seq));
         if self.v > now {
             self.v = 0;
             self.writers.clear();
@@ -240,6 +272,7 @@ impl Data {
         arriving: bool,
         permits: u8,
         now: i16,
+        seq: u16,
         fx: &mut Effects,
     ) -> Answer {
         let mode = if permits > 0 { PERMITS } else { READ };
@@ -249,7 +282,9 @@ impl Data {
                 Some(mine) if mine > now => {
                     set(&mut self.shared, token, now + ttl);
                     self.e = self.e.max(now + ttl);
-                    return Answer::Granted(get(&self.sharers, token).unwrap_or(self.f));
+                    let (fence, had) = get(&self.sharers, token).unwrap_or((self.f, 0));
+                    set(&mut self.sharers, token, (fence, had.max(seq)));
+                    return Answer::Granted(fence);
                 }
                 Some(mine) if mine < 0 => return Answer::Held,
                 _ => {}
@@ -287,10 +322,10 @@ impl Data {
         if rules.clock_floor {
             fence = fence.max(clock_us);
         }
-        set(&mut self.sharers, token, fence);
+        set(&mut self.sharers, token, (fence, seq));
         set(&mut self.shared, token, now + ttl);
         if holder.is_none() {
-            self.grant(rules, mode, ttl, 0, now);
+            self.grant(rules, mode, ttl, 0, now, None);
         } else {
             self.e = self.e.max(now + ttl);
             self.f = fence;
@@ -301,6 +336,7 @@ impl Data {
     }
 
     /// release.lua, one lease: `tomb` > 0 abandons (bars the token that long).
+    #[allow(clippy::too_many_arguments)]
     pub fn release(
         &mut self,
         rules: Rules,
@@ -308,20 +344,29 @@ impl Data {
         shared: bool,
         tomb: i16,
         now: i16,
+        seq: u16,
         fx: &mut Effects,
     ) -> bool {
         if tomb > 0 {
             self.bar(rules, token, now, tomb);
         }
         if shared {
-            return self.release_shared(token, now, fx);
+            return self.release_shared(rules, token, now, seq, fx);
         }
         if tomb > 0 {
             self.withdraw(token, now);
         }
         if self.t == token && holding(self.t, self.e, now).is_some() {
+            if rules.send_order && self.n > seq {
+                // A late copy of a release sent before the grant: not this lease's.
+                return false;
+            }
             fx.ended = Some(self.end_lease(now));
+            self.n = seq;
             return true;
+        }
+        if rules.send_order && self.t == token && self.n < seq {
+            self.n = seq;
         }
         (self.t == token && self.e == 0) || self.r == token
     }
@@ -339,12 +384,22 @@ impl Data {
     }
 
     /// `release_shared`.
-    fn release_shared(&mut self, token: Tok, now: i16, fx: &mut Effects) -> bool {
+    fn release_shared(
+        &mut self,
+        rules: Rules,
+        token: Tok,
+        now: i16,
+        seq: u16,
+        fx: &mut Effects,
+    ) -> bool {
         let Some(score) = get(&self.shared, token) else {
             return false;
         };
         if score < 0 {
             return true;
+        }
+        if rules.send_order && get(&self.sharers, token).is_some_and(|(_, n)| n > seq) {
+            return false;
         }
         del(&mut self.sharers, token);
         if score <= now || !matches!(holding(self.t, self.e, now), Some(READ | PERMITS)) {

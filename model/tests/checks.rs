@@ -39,7 +39,7 @@ fn mutant(name: &str) -> redlease_model::Outcome {
 }
 
 #[test]
-fn single_reconnects_find_the_stale_release() {
+fn single_reconnects_keep_send_order() {
     exact("single: reconnects, re-sends, waiters, extensions");
 }
 
@@ -139,4 +139,21 @@ fn mutant_no_drift_margin_overlaps() {
     let o = mutant("mutant: validity without the drift margin");
     let t = o.trace(EXCLUSION).expect("checked");
     assert!(t.iter().any(|a| matches!(a, Action::Gain(_))), "{t:?}");
+}
+
+#[test]
+fn mutant_no_send_order_lets_a_stale_release_end_the_next_grant() {
+    let o = mutant("mutant: no send order");
+    let t = o.trace(EXCLUSION).expect("checked");
+    // A connection drops, and a request of the dead connection runs later.
+    let reconnect = t
+        .iter()
+        .position(|a| matches!(a, Action::Reconnect(..)))
+        .unwrap_or_else(|| panic!("a reconnect: {t:?}"));
+    assert!(
+        t[reconnect..]
+            .iter()
+            .any(|a| matches!(a, Action::DeliverStale(..))),
+        "a stale delivery after the reconnect: {t:?}"
+    );
 }
