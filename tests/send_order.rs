@@ -155,6 +155,35 @@ fn a_plain_lease_outlives_a_release_sent_before_its_grant() {
     stale_order(plain, "send-order:{plain}");
 }
 
+/// A release of a lease that ran out keeps its number too: the acquire copy sent before it
+/// is not granted (its holder gave the claim up: nobody would hold that lease).
+#[test]
+fn a_late_acquire_after_the_release_of_a_lease_that_ran_out_is_refused() {
+    let srv = RedisServer::start();
+    let key = "send-order:{ran-out}";
+    let t = "t-holder";
+    assert_eq!(plain(&srv, key, t, "5"), 1, "free: granted");
+    // The lease runs out (its expiry set in the past).
+    srv.cmd(&["HSET", key, "e", "1"]);
+    assert!(!held(&srv, key));
+    assert_eq!(
+        release(&srv, key, t, "7"),
+        0,
+        "a lease that ran out is not released"
+    );
+    assert_eq!(
+        plain(&srv, key, t, "6"),
+        0,
+        "a late acquire copy sent before the release was granted"
+    );
+    assert!(!held(&srv, key));
+    assert_eq!(
+        plain(&srv, key, t, "8"),
+        1,
+        "an acquire sent after the release is granted"
+    );
+}
+
 #[test]
 fn a_fair_lease_outlives_a_release_sent_before_its_grant() {
     stale_order(fair, "send-order:{fair}");

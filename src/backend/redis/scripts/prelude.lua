@@ -294,10 +294,11 @@ end
 -- changes nothing), and an acquire sent before the release that ended its token's lease is
 -- not granted again. Records written without numbers count as 0.
 
--- Whether an acquire numbered `n` of `token` is a late copy, sent before the release that
--- ended `token`'s lease in a record read as `t`, `e`, `n`, `r`, `m`.
-local function stale_acquire(token, n, t, e, tn, r, m)
-  return (t == token and e == '0' and (num(tn) or 0) > n) or (r == token and (num(m) or 0) > n)
+-- Whether an acquire numbered `n` of `token` is a late copy, sent before a later operation
+-- of the same token (the release that ended its lease, or a later grant that ran out) in a
+-- record read as `t`, `n`, `r`, `m`, whose lease `token` does not hold now.
+local function stale_acquire(token, n, t, tn, r, m)
+  return (t == token and (num(tn) or 0) > n) or (r == token and (num(m) or 0) > n)
 end
 
 -- The first steps of the plain and fair acquire scripts on `key`'s record: an attempt that
@@ -331,7 +332,7 @@ local function arrive(key, token, ttl, now_ms, n)
     -- A late copy of an attempt that was given up and cleaned up already: never grant it.
     return 0, left
   end
-  if stale_acquire(token, n, seen[1], seen[2], seen[8], seen[9], seen[10]) then
+  if stale_acquire(token, n, seen[1], seen[8], seen[9], seen[10]) then
     -- A late copy of an attempt whose lease was released already.
     return 0, left
   end

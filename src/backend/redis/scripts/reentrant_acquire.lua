@@ -38,7 +38,7 @@ if barred(key, hold, a, now_ms) then
   -- A late copy of an attempt that was given up and cleaned up already.
   return {0, left}
 end
-if stale_acquire(hold, n, t, e, seen[7], seen[8], seen[9]) then
+if not current and stale_acquire(hold, n, t, seen[7], seen[8], seen[9]) then
   -- A late copy of an attempt whose reign was released already.
   return {0, left}
 end

@@ -154,6 +154,11 @@ local function release(i)
     end
     return 1
   end
+  if t == token and (num(seen[8]) or 0) < n then
+    -- Its lease ran out: the release's number is kept all the same, so that a late copy of
+    -- an acquire sent before it is not granted (see "Send order" in prelude.lua).
+    redis.call('HSET', key, 'n', int(n))
+  end
   if wake and not holding(t, e, now()) then
     pcall(wake_head, key, now())
   end
