@@ -264,7 +264,7 @@ impl RedisBackend {
                     terms.fence_floor.to_string().into(),
                     ms(terms.min_uptime).into(),
                     claim.token.label().unwrap_or_default().into(),
-                    sent.to_string().into(),
+                    i64::try_from(*sent).unwrap_or(i64::MAX).into(),
                 ],
             ))
         })
@@ -291,7 +291,7 @@ impl RedisBackend {
                     ms(claim.ttl).into(),
                     expire.into(),
                     claim.token.label().unwrap_or_default().into(),
-                    sent.to_string().into(),
+                    i64::try_from(*sent).unwrap_or(i64::MAX).into(),
                 ],
             ))
         })
@@ -322,7 +322,7 @@ impl RedisBackend {
                     arriving.into(),
                     i64::from(*permits).into(),
                     claim.token.label().unwrap_or_default().into(),
-                    sent.to_string().into(),
+                    i64::try_from(*sent).unwrap_or(i64::MAX).into(),
                 ],
             ))
         })
@@ -348,7 +348,7 @@ impl RedisBackend {
             args.extend([
                 token.as_str().into(),
                 ms(*tombstone).into(),
-                sent.to_string().into(),
+                i64::try_from(*sent).unwrap_or(i64::MAX).into(),
             ]);
         }
         let reply: Vec<Value> = self
@@ -407,7 +407,7 @@ impl RedisBackend {
             terms.fence_floor.to_string().into(),
             ms(terms.min_uptime).into(),
             hold.label().unwrap_or_default().into(),
-            sent.to_string().into(),
+            i64::try_from(sent).unwrap_or(i64::MAX).into(),
         ];
         let reply: Vec<Value> = self
             .eval(
@@ -454,7 +454,7 @@ impl RedisBackend {
             hold.as_str().into(),
             lease.map_or("", Token::as_str).into(),
             tombstone.into(),
-            sent.to_string().into(),
+            i64::try_from(sent).unwrap_or(i64::MAX).into(),
         ];
         let reply: Vec<i64> = self
             .eval(

@@ -22,7 +22,7 @@ local function attempt(i)
   local key = KEYS[i + 1]
   local token, ttl, flag, arriving = ARGV[8 * i + 1], tonumber(ARGV[8 * i + 2]), ARGV[8 * i + 3], ARGV[8 * i + 4]
   local floor, min_uptime, label = tonumber(ARGV[8 * i + 5]), tonumber(ARGV[8 * i + 6]), ARGV[8 * i + 7]
-  local n = tonumber(ARGV[8 * i + 8])
+  local n = ARGV[8 * i + 8]
   if min_uptime > 0 then
     uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
     if uptime < min_uptime then

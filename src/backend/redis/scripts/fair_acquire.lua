@@ -20,7 +20,7 @@ local function attempt(i)
   local queue, timeouts = key .. ':queue', key .. ':timeouts'
   local token, ttl, expire, label =
     ARGV[5 * i + 1], tonumber(ARGV[5 * i + 2]), tonumber(ARGV[5 * i + 3]), ARGV[5 * i + 4]
-  local n = tonumber(ARGV[5 * i + 5])
+  local n = ARGV[5 * i + 5]
   -- (A barred token is a waiter that gave up and left: it is never granted nor queued.)
   local code, left, holder, seen = arrive(key, token, ttl, now_ms, n)
   if code then

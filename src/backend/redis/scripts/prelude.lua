@@ -220,19 +220,19 @@ end
 -- the fair queue's head while `q` says the queue may hold waiters. Nothing after the HSET can
 -- fail the release: a flag that is no number counts as unset, and the wake-ups are under
 -- pcall (a queue of another type, a channel the user's ACL refuses: waiters find out by their
--- fallback re-check). `n`: the release's send number (see "Send order" below; nil for none),
--- kept as the record's `n`, so that a late copy of an acquire sent before it is not granted.
+-- fallback re-check). `n`: the release's send number as sent (a decimal string; see "Send
+-- order" below), kept as the record's `n`, so that a late copy of an acquire sent before it
+-- is not granted (nil: none, for a shared mode's marker or a forced release).
 local function end_lease(key, w, q, now_ms, released, s, n)
-  local args = {'HSET', key, 'e', '0', 'h', ''}
-  if released then
-    args[#args + 1] = 't'
-    args[#args + 1] = released
+  if released and n then
+    redis.call('HSET', key, 't', released, 'e', '0', 'h', '', 'n', n)
+  elseif released then
+    redis.call('HSET', key, 't', released, 'e', '0', 'h', '')
+  elseif n then
+    redis.call('HSET', key, 'e', '0', 'h', '', 'n', n)
+  else
+    redis.call('HSET', key, 'e', '0', 'h', '')
   end
-  if n then
-    args[#args + 1] = 'n'
-    args[#args + 1] = int(n)
-  end
-  redis.call(unpack(args))
   if (tonumber(s) or 0) > now_ms then
     redis.pcall('PUBLISH', key .. ':released', '*')
   elseif (tonumber(w) or 0) > now_ms then
@@ -252,7 +252,7 @@ end
 -- it after a restart). A token the last holder released is kept as `r`, for its re-sent
 -- release (across a time of shared holds, whose markers never take its place), with its
 -- release's send number `m` (the record's `n` as read, `n_seen`). `n`: the acquire's send
--- number, kept as `n` (nil: none, for a shared mode's marker). Costs one HSET, and a
+-- number as sent (a decimal string), kept as `n` (nil: none, for a shared mode's marker). Costs one HSET, and a
 -- PEXPIREAT when the record's hour needs renewing.
 local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us, n, n_seen)
   ours(key, x, t, f)
@@ -264,11 +264,11 @@ local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us
     args[#args + 1] = 'r'
     args[#args + 1] = t
     args[#args + 1] = 'm'
-    args[#args + 1] = int(num(n_seen) or 0)
+    args[#args + 1] = n_seen or '0'
   end
   if n then
     args[#args + 1] = 'n'
-    args[#args + 1] = int(n)
+    args[#args + 1] = n
   end
   if at then
     args[#args + 1] = 'x'
@@ -294,7 +294,7 @@ end
 -- changes nothing), and an acquire sent before the release that ended its token's lease is
 -- not granted again. Records written without numbers count as 0.
 
--- Whether an acquire numbered `n` of `token` is a late copy, sent before a later operation
+-- Whether an acquire numbered `n` (a number) of `token` is a late copy, sent before a later operation
 -- of the same token (the release that ended its lease, or a later grant that ran out) in a
 -- record read as `t`, `n`, `r`, `m`, whose lease `token` does not hold now.
 local function stale_acquire(token, n, t, tn, r, m)
@@ -303,21 +303,22 @@ end
 
 -- The first steps of the plain and fair acquire scripts on `key`'s record: an attempt that
 -- finds its own lease (re-sent after a reconnect, or sent again) is answered "ours",
--- extended to `ttl` from now, with its fencing token (its send number `n` raises the
--- record's, never lowers it); a barred token (see bar), or a late copy of an attempt whose
+-- extended to `ttl` from now, with its fencing token (its send number `n`, as sent, raises
+-- the record's, never lowers it); a barred token (see bar), or a late copy of an attempt whose
 -- token a later release ended (see "Send order"), is refused. Returns that answer as (code,
 -- value), or nil, the holder's ms left (-2 when free), the holder (false when free) and the
 -- record as read: {t, e, f, x, a, w, v, n}.
 local function arrive(key, token, ttl, now_ms, n)
   local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w', 'v', 'n', 'r', 'm')
+  local sent = tonumber(n)
   local holder = holding(seen[1], seen[2], now_ms)
   if holder == token then
     local until_ms = now_ms + ttl
     local at = renewal(seen[4], until_ms)
     local args = {'HSET', key, 'e', int(until_ms)}
-    if (num(seen[8]) or 0) < n then
+    if (num(seen[8]) or 0) < sent then
       args[#args + 1] = 'n'
-      args[#args + 1] = int(n)
+      args[#args + 1] = n
     end
     if at then
       args[#args + 1] = 'x'
@@ -332,7 +333,7 @@ local function arrive(key, token, ttl, now_ms, n)
     -- A late copy of an attempt that was given up and cleaned up already: never grant it.
     return 0, left
   end
-  if stale_acquire(token, n, seen[1], seen[8], seen[9], seen[10]) then
+  if stale_acquire(token, sent, seen[1], seen[8], seen[9], seen[10]) then
     -- A late copy of an attempt whose lease was released already.
     return 0, left
   end

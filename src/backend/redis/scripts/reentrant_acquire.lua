@@ -22,7 +22,7 @@ local owner, hold, ttl, flag, arriving =
   ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local floor, min_uptime = tonumber(ARGV[6]), tonumber(ARGV[7])
 local label = ARGV[8] or ''
-local n = tonumber(ARGV[9] or '0')
+local n = ARGV[9] or '0'
 local now_ms, clock_us = server_clock()
 if min_uptime > 0 then
   local up = uptime_ms(min_uptime, math.floor(now_ms / 1000))
@@ -38,7 +38,7 @@ if barred(key, hold, a, now_ms) then
   -- A late copy of an attempt that was given up and cleaned up already.
   return {0, left}
 end
-if not current and stale_acquire(hold, n, t, seen[7], seen[8], seen[9]) then
+if not current and stale_acquire(hold, tonumber(n), t, seen[7], seen[8], seen[9]) then
   -- A late copy of an attempt whose reign was released already.
   return {0, left}
 end
@@ -46,13 +46,13 @@ if current then
   local reign = redis.call('HMGET', holds, 'token', 'owner', 'fence')
   if reign[1] == current and reign[2] == owner then
     local count
-    if redis.call('HSETNX', holds, hold, int(n)) == 1 then
+    if redis.call('HSETNX', holds, hold, n) == 1 then
       count = redis.call('HINCRBY', owners, owner, 1)
     else
       count = tonumber(redis.call('HGET', owners, owner) or '0')
       -- Counted already: its send number rises to this attempt's, never falls.
-      if (tonumber(redis.call('HGET', holds, hold)) or 0) < n then
-        redis.call('HSET', holds, hold, int(n))
+      if (tonumber(redis.call('HGET', holds, hold)) or 0) < tonumber(n) then
+        redis.call('HSET', holds, hold, n)
       end
     end
     -- A re-entry never shortens the lease.
@@ -75,7 +75,7 @@ end
 -- The label of the hold that starts the reign is the reign's.
 local value = grant(key, hold, ttl, label, floor, t, e, f, x, now_ms, clock_us, n, seen[7])
 redis.call('DEL', owners, holds)
-redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', int(value), hold, int(n))
+redis.call('HSET', holds, 'owner', owner, 'token', hold, 'fence', int(value), hold, n)
 redis.call('HSET', owners, owner, 1)
 redis.call('PEXPIRE', owners, ttl)
 redis.call('PEXPIRE', holds, ttl)

@@ -16,7 +16,7 @@
 local key = KEYS[1]
 local owners, holds = key .. ':owners', key .. ':holds'
 local owner, hold, known, tombstone = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local n = tonumber(ARGV[5] or '0')
+local n = ARGV[5] or '0'
 local now_ms = server_clock()
 if tombstone > 0 then
   bar(key, hold, now_ms, tombstone)
@@ -29,7 +29,7 @@ local current = holding(seen[1], seen[2], now_ms)
 if current then
   local reign = redis.call('HMGET', holds, 'token', 'owner', hold)
   if reign[1] == current and reign[2] == owner then
-    if (tonumber(reign[3]) or 0) > n then
+    if (tonumber(reign[3]) or 0) > tonumber(n) then
       -- Counted again by an acquire sent after this release: a late copy, not this hold's.
       return {0, 0}
     end

@@ -59,7 +59,7 @@ local function release_shared(key, token, n)
   -- (pcall: a hash of another type beside the set must not keep the hold from being given
   -- back.)
   local entry = redis.pcall('HGET', key .. ':sharers', token)
-  if type(entry) == 'string' and select(2, sharer(entry)) > n then
+  if type(entry) == 'string' and select(2, sharer(entry)) > tonumber(n) then
     -- A late copy of a release sent before the acquire that holds this hold now.
     return 0
   end
@@ -114,7 +114,7 @@ end
 
 local function release(i)
   local key, token, tombstone = KEYS[i + 1], ARGV[3 * i + 1], tonumber(ARGV[3 * i + 2])
-  local n = tonumber(ARGV[3 * i + 3])
+  local n = ARGV[3 * i + 3]
   local wake = false
   if tombstone > 0 then
     bar(key, token, now(), tombstone)
@@ -142,7 +142,7 @@ local function release(i)
   -- The name has had shared holds within its hour (`z`): a read-write lock.
   local shared_too = (tonumber(seen[7]) or 0) > now()
   if t == token and holding(t, e, now()) then
-    if (num(seen[8]) or 0) > n then
+    if (num(seen[8]) or 0) > tonumber(n) then
       -- A late copy of a release sent before the acquire that holds the lease now (the
       -- lease was given back and granted again under the same token): not this lease's.
       return 0
@@ -154,10 +154,10 @@ local function release(i)
     end
     return 1
   end
-  if t == token and (num(seen[8]) or 0) < n then
+  if t == token and (num(seen[8]) or 0) < tonumber(n) then
     -- Its lease ran out: the release's number is kept all the same, so that a late copy of
     -- an acquire sent before it is not granted (see "Send order" in prelude.lua).
-    redis.call('HSET', key, 'n', int(n))
+    redis.call('HSET', key, 'n', n)
   end
   if wake and not holding(t, e, now()) then
     pcall(wake_head, key, now())

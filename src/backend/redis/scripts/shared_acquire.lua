@@ -25,7 +25,7 @@ local now_ms, clock_us = server_clock()
 local function attempt(i)
   local key = KEYS[i + 1]
   local token, ttl, flag, arriving = ARGV[7 * i + 1], tonumber(ARGV[7 * i + 2]), ARGV[7 * i + 3], ARGV[7 * i + 4]
-  local permits, label, n = tonumber(ARGV[7 * i + 5]), ARGV[7 * i + 6], tonumber(ARGV[7 * i + 7])
+  local permits, label, n = tonumber(ARGV[7 * i + 5]), ARGV[7 * i + 6], ARGV[7 * i + 7]
   local mode = permits > 0 and PERMITS or READ
   local shared, sharers = key .. ':shared', key .. ':sharers'
   local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's', 'z')
@@ -44,10 +44,10 @@ local function attempt(i)
       keep_shared(key, until_ms, z)
       local entry = redis.call('HGET', sharers, token)
       local fence, had = sharer(entry)
-      if entry and had < n then
+      if entry and had < tonumber(n) then
         -- Its send number rises to this attempt's (see "Send order" in prelude.lua).
         local rest = string.match(entry, '^[%d/]+ (.*)$') or ''
-        redis.call('HSET', sharers, token, int(fence) .. '/' .. int(n) .. ' ' .. rest)
+        redis.call('HSET', sharers, token, int(fence) .. '/' .. n .. ' ' .. rest)
       end
       return 1, fence or num(f) or 0
     end
@@ -98,7 +98,7 @@ local function attempt(i)
   local until_ms = now_ms + ttl
   -- As grant's, with no floor (shared claims are not served over Redlock).
   local fence = math.max((num(f) or 0) + 1, clock_us)
-  redis.call('HSET', sharers, token, int(fence) .. '/' .. int(n) .. ' ' .. label)
+  redis.call('HSET', sharers, token, int(fence) .. '/' .. n .. ' ' .. label)
   redis.call('ZADD', shared, int(until_ms), token)
   if not holder then
     grant(key, mode, ttl, '', 0, t, e, f, x, now_ms, clock_us)
