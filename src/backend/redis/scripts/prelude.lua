@@ -291,8 +291,9 @@ end
 -- may run late: re-sent after a reconnect while the first copy still waited in the server's
 -- socket buffer or in the network. So a release ends only a lease granted by an acquire sent
 -- before it (a late release of a lease given back, then granted again under the same token,
--- changes nothing), and an acquire sent before the release that ended its token's lease is
--- not granted again. Records written without numbers count as 0.
+-- changes nothing), and an acquire of a token that does not hold the lease is not granted
+-- when a later operation of that token ran here (the release that ended its lease, released
+-- or run out, or a later grant). Records written without numbers count as 0.
 
 -- Whether an acquire numbered `n` (a number) of `token` is a late copy, sent before a later operation
 -- of the same token (the release that ended its lease, or a later grant that ran out) in a
