@@ -1,0 +1,594 @@
+//! The checker: reads the holders' own records and says whether the locks kept their
+//! promises.
+//!
+//! A hold is *valid* from its enter until the earliest of its exit, `lost()` firing and the
+//! lease's validity end (the guard's `valid_until()`): that is what the library promised the
+//! holder. Safety is about valid holds:
+//!
+//! - no two valid exclusive holds of one name overlap (plain, fair, reentrant, a multi
+//!   lock's names and a read-write lock's write are all exclusive holds of their name);
+//! - at no instant more valid permits of a semaphore than it has, nor a valid read beside a
+//!   valid write of one read-write lock;
+//! - fencing tokens strictly increase in grant order (by enter) among the valid exclusive
+//!   holds of a name;
+//! - the fenced resource accepted writes in token order: no accepted write finished before
+//!   another accepted write of the same name began with a lower token.
+//!
+//! It also reports *raw* overlaps (enter to exit, whatever the lease said: a holder paused
+//! past its TTL resumes and runs on) and how many of those `lost()` had told the holder of.
+//!
+//! A valid overlap whose earlier hold's lease may have been wiped by a server restart that
+//! lost data (a kill without persistence, or the last second of an `appendfsync everysec`
+//! AOF) is counted apart, as *after data loss*: the README states that limit ("another client
+//! may take those locks from the moment the server is back: fence").
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use crate::record::{FaultEvent, FenceWrite, Kind, Records, Section};
+
+/// How long after a fault is healed a section still counts as under it.
+pub const FAULT_TAIL_NS: u64 = 2_000_000_000;
+
+/// The counts of one row of the summary (one fault, or the sections under no fault).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Row {
+    /// Sections entered (open ones included).
+    pub sections: usize,
+    /// Sections never closed (the worker was stopped or killed in them).
+    pub open: usize,
+    /// Faults injected.
+    pub faults: usize,
+    /// Valid exclusive holds that overlapped: safety violations.
+    pub valid_overlaps: usize,
+    /// Valid overlaps after a restart that lost data (the stated limit).
+    pub after_data_loss: usize,
+    /// Raw (enter..exit) exclusive overlaps.
+    pub raw_overlaps: usize,
+    /// Raw overlaps whose earlier holder `lost()` had told.
+    pub raw_caught: usize,
+    /// Sections whose `lost()` fired before exit.
+    pub lost: usize,
+    /// Instants with more valid permits than the semaphore has.
+    pub permits_over: usize,
+    /// Instants with a valid read beside a valid write.
+    pub read_beside_write: usize,
+    /// Fencing tokens not strictly increasing in grant order.
+    pub token_order: usize,
+    /// Fenced writes accepted.
+    pub writes_accepted: usize,
+    /// Fenced writes rejected (stale: a newer token had written).
+    pub writes_rejected: usize,
+    /// Fenced writes whose server did not answer.
+    pub writes_failed: usize,
+    /// Accepted fenced writes out of token order: safety violations.
+    pub fence_order: usize,
+}
+
+impl Row {
+    /// Whether the row holds a safety violation.
+    pub fn violated(&self) -> bool {
+        self.valid_overlaps
+            + self.permits_over
+            + self.read_beside_write
+            + self.token_order
+            + self.fence_order
+            > 0
+    }
+
+    fn add(&mut self, o: &Row) {
+        self.sections += o.sections;
+        self.open += o.open;
+        self.faults += o.faults;
+        self.valid_overlaps += o.valid_overlaps;
+        self.after_data_loss += o.after_data_loss;
+        self.raw_overlaps += o.raw_overlaps;
+        self.raw_caught += o.raw_caught;
+        self.lost += o.lost;
+        self.permits_over += o.permits_over;
+        self.read_beside_write += o.read_beside_write;
+        self.token_order += o.token_order;
+        self.writes_accepted += o.writes_accepted;
+        self.writes_rejected += o.writes_rejected;
+        self.writes_failed += o.writes_failed;
+        self.fence_order += o.fence_order;
+    }
+}
+
+/// The checker's verdict: a row per fault (`none` for sections under no fault), and a line
+/// of evidence per violation.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Rows by fault name.
+    pub rows: BTreeMap<String, Row>,
+    /// One line per safety violation (and per overlap after data loss, marked so).
+    pub evidence: Vec<String>,
+}
+
+impl Report {
+    /// All rows added up.
+    pub fn total(&self) -> Row {
+        let mut t = Row::default();
+        for r in self.rows.values() {
+            t.add(r);
+        }
+        t
+    }
+
+    /// Whether any safety property failed.
+    pub fn violated(&self) -> bool {
+        self.total().violated()
+    }
+
+    /// Adds another run's report into this one.
+    pub fn merge(&mut self, other: Report) {
+        for (k, r) in other.rows {
+            self.rows.entry(k).or_default().add(&r);
+        }
+        self.evidence.extend(other.evidence);
+    }
+}
+
+/// Header of [`Row`]'s `Display`.
+pub const HEADER: &str = "fault          sections   open faults valid-ovl after-loss raw-ovl (lost-told)  lost permits>N rd+wr token-ord  fenced-acc fenced-rej fenced-err fence-ord";
+
+impl fmt::Display for Row {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:>10} {:>6} {:>6} {:>9} {:>10} {:>7} ({:>10}) {:>5} {:>9} {:>5} {:>9}  {:>10} {:>10} {:>10} {:>9}",
+            self.sections,
+            self.open,
+            self.faults,
+            self.valid_overlaps,
+            self.after_data_loss,
+            self.raw_overlaps,
+            self.raw_caught,
+            self.lost,
+            self.permits_over,
+            self.read_beside_write,
+            self.token_order,
+            self.writes_accepted,
+            self.writes_rejected,
+            self.writes_failed,
+            self.fence_order
+        )
+    }
+}
+
+/// The fault a section ran under: the last fault injected before its enter whose heal
+/// (plus [`FAULT_TAIL_NS`]) is not yet past; `none` otherwise.
+fn fault_of(faults: &[FaultEvent], t: u64) -> &str {
+    faults
+        .iter()
+        .filter(|f| f.start <= t && t <= f.end.saturating_add(FAULT_TAIL_NS))
+        .max_by_key(|f| f.start)
+        .map_or("none", |f| f.kind.as_str())
+}
+
+fn describe(s: &Section) -> String {
+    format!(
+        "{} {:?} {} token {} enter {} exit {} valid-end {} lost {} write {:?}",
+        s.id,
+        s.kind,
+        s.holder,
+        s.token,
+        s.enter,
+        s.exit.map_or("open".into(), |e| e.to_string()),
+        s.valid_end().map_or("-".into(), |e| e.to_string()),
+        s.lost.map_or("-".into(), |e| e.to_string()),
+        s.write
+    )
+}
+
+/// Checks the records.
+pub fn check(records: &Records) -> Report {
+    let mut report = Report::default();
+    let faults = &records.faults;
+    let label = |t: u64| fault_of(faults, t).to_string();
+    for f in faults {
+        report.rows.entry(f.kind.clone()).or_default().faults += 1;
+    }
+    let mut by_name: HashMap<&str, Vec<&Section>> = HashMap::new();
+    for s in &records.sections {
+        let row = report.rows.entry(label(s.enter)).or_default();
+        row.sections += 1;
+        row.open += s.exit.is_none() as usize;
+        row.lost += s.lost.is_some() as usize;
+        match s.write {
+            FenceWrite::Accepted { .. } => row.writes_accepted += 1,
+            FenceWrite::Rejected { .. } => row.writes_rejected += 1,
+            FenceWrite::Failed => row.writes_failed += 1,
+            FenceWrite::None => {}
+        }
+        by_name.entry(&s.name).or_default().push(s);
+    }
+    let mut names: Vec<_> = by_name.into_iter().collect();
+    names.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, mut sections) in names {
+        sections.sort_by_key(|s| (s.enter, s.id.clone()));
+        exclusive(name, &sections, faults, &mut report);
+        shared(name, &sections, faults, &mut report);
+        fence_order(name, &sections, faults, &mut report);
+    }
+    report
+}
+
+/// Overlaps among the exclusive holds of one name (sorted by enter), valid and raw, and the
+/// tokens' order.
+fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut Report) {
+    let holds: Vec<&Section> = sections
+        .iter()
+        .copied()
+        .filter(|s| s.kind.is_exclusive())
+        .collect();
+    // Valid holds: the one reaching furthest so far against each next one.
+    let valid: Vec<&Section> = holds
+        .iter()
+        .copied()
+        .filter(|s| s.valid_until() > s.enter)
+        .collect();
+    let mut furthest: Option<&Section> = None;
+    for (i, &s) in valid.iter().enumerate() {
+        if let Some(a) = furthest {
+            if s.enter < a.valid_until() {
+                let lossy = faults
+                    .iter()
+                    .any(|f| f.data_loss && a.enter <= f.end && f.start <= s.enter);
+                let row = report
+                    .rows
+                    .entry(fault_of(faults, s.enter).into())
+                    .or_default();
+                let what = if lossy {
+                    row.after_data_loss += 1;
+                    "valid overlap after a restart that lost data (stated limit)"
+                } else {
+                    row.valid_overlaps += 1;
+                    "VALID OVERLAP"
+                };
+                report.evidence.push(format!(
+                    "{what} on {name}:\n  {}\n  {}",
+                    describe(a),
+                    describe(s)
+                ));
+            }
+        }
+        if i > 0 && s.token <= valid[i - 1].token {
+            report
+                .rows
+                .entry(fault_of(faults, s.enter).into())
+                .or_default()
+                .token_order += 1;
+            report.evidence.push(format!(
+                "TOKEN ORDER on {name}: a later valid hold has a token not above the earlier's:\n  {}\n  {}",
+                describe(valid[i - 1]),
+                describe(s)
+            ));
+        }
+        if furthest.is_none_or(|a| s.valid_until() > a.valid_until()) {
+            furthest = Some(s);
+        }
+    }
+    // Raw sections: enter..exit, whatever the lease said.
+    let mut furthest: Option<&Section> = None;
+    for &s in &holds {
+        if let Some(a) = furthest {
+            if s.enter < a.raw_until() {
+                let row = report
+                    .rows
+                    .entry(fault_of(faults, s.enter).into())
+                    .or_default();
+                row.raw_overlaps += 1;
+                row.raw_caught += a.lost.is_some() as usize;
+            }
+        }
+        if furthest.is_none_or(|a| s.raw_until() > a.raw_until()) {
+            furthest = Some(s);
+        }
+    }
+}
+
+/// Permits over N and reads beside writes, by a sweep over the valid holds of one name.
+fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut Report) {
+    // (time, is_start, kind): ends sort before starts at one instant.
+    let mut events: Vec<(u64, bool, Kind, &Section)> = Vec::new();
+    for &s in sections {
+        if matches!(s.kind, Kind::Permit(_) | Kind::Read | Kind::Write) && s.valid_until() > s.enter
+        {
+            events.push((s.enter, true, s.kind, s));
+            events.push((s.valid_until(), false, s.kind, s));
+        }
+    }
+    events.sort_by_key(|e| (e.0, e.1));
+    let (mut permits, mut reads, mut writes) = (0u32, 0u32, 0u32);
+    for (_, start, kind, s) in events {
+        let d = |n: &mut u32| if start { *n += 1 } else { *n -= 1 };
+        match kind {
+            Kind::Permit(_) => d(&mut permits),
+            Kind::Read => d(&mut reads),
+            _ => d(&mut writes),
+        }
+        if !start {
+            continue;
+        }
+        if let Kind::Permit(n) = kind {
+            if permits > n {
+                report
+                    .rows
+                    .entry(fault_of(faults, s.enter).into())
+                    .or_default()
+                    .permits_over += 1;
+                report.evidence.push(format!(
+                    "PERMITS OVER N on {name}: {permits} valid of {n} as this one entered:\n  {}",
+                    describe(s)
+                ));
+            }
+        }
+        if reads > 0 && writes > 0 && matches!(kind, Kind::Read | Kind::Write) {
+            report
+                .rows
+                .entry(fault_of(faults, s.enter).into())
+                .or_default()
+                .read_beside_write += 1;
+            report.evidence.push(format!(
+                "READ BESIDE WRITE on {name} ({reads} reads, {writes} writes) as this one entered:\n  {}",
+                describe(s)
+            ));
+        }
+    }
+}
+
+/// Accepted fenced writes of one name in token order: no write accepted (answered) before
+/// another began may carry a higher token than it.
+fn fence_order(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut Report) {
+    let mut writes: Vec<(u64, u64, &Section)> = sections
+        .iter()
+        .filter_map(|s| match s.write {
+            FenceWrite::Accepted { start, end } => Some((start, end, *s)),
+            _ => None,
+        })
+        .collect();
+    let mut by_end = writes.clone();
+    by_end.sort_by_key(|w| w.1);
+    writes.sort_by_key(|w| w.0);
+    let mut done = 0;
+    let mut highest: Option<&Section> = None;
+    for (start, _, s) in writes {
+        while done < by_end.len() && by_end[done].1 < start {
+            let w = by_end[done].2;
+            if highest.is_none_or(|h| w.token > h.token) {
+                highest = Some(w);
+            }
+            done += 1;
+        }
+        if let Some(h) = highest {
+            if h.token > s.token {
+                report
+                    .rows
+                    .entry(fault_of(faults, start).into())
+                    .or_default()
+                    .fence_order += 1;
+                report.evidence.push(format!(
+                    "FENCED WRITE OUT OF ORDER on {name}: accepted after a higher token's write:\n  {}\n  {}",
+                    describe(h),
+                    describe(s)
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A closed section: valid until `valid`, token `token`, no lost, an accepted write at exit.
+    fn sec(
+        id: &str,
+        kind: Kind,
+        name: &str,
+        token: u64,
+        enter: u64,
+        exit: u64,
+        valid: u64,
+    ) -> Section {
+        Section {
+            id: id.into(),
+            kind,
+            name: name.into(),
+            holder: id.into(),
+            token,
+            enter,
+            valid_at_enter: Some(valid),
+            exit: Some(exit),
+            valid_at_exit: Some(valid),
+            lost: None,
+            write: if kind.is_exclusive() {
+                FenceWrite::Accepted {
+                    start: exit - 1,
+                    end: exit,
+                }
+            } else {
+                FenceWrite::None
+            },
+        }
+    }
+
+    fn run(sections: Vec<Section>, faults: Vec<FaultEvent>) -> Report {
+        check(&Records {
+            sections,
+            faults,
+            bad_lines: 0,
+        })
+    }
+
+    #[test]
+    fn back_to_back_holds_pass() {
+        let r = run(
+            vec![
+                sec("a", Kind::Plain, "n", 1, 10, 20, 50),
+                sec("b", Kind::Fair, "n", 2, 20, 30, 60),
+                sec("c", Kind::Multi, "n", 3, 31, 40, 70),
+            ],
+            vec![],
+        );
+        assert!(!r.violated(), "{:?}", r.evidence);
+        assert_eq!(r.total().sections, 3);
+        assert_eq!(r.total().writes_accepted, 3);
+    }
+
+    #[test]
+    fn overlapping_valid_holds_fail() {
+        let r = run(
+            vec![
+                sec("a", Kind::Plain, "n", 1, 10, 30, 50),
+                sec("b", Kind::Reentrant, "n", 2, 20, 40, 60),
+            ],
+            vec![],
+        );
+        assert_eq!(r.total().valid_overlaps, 1);
+        assert_eq!(r.total().raw_overlaps, 1);
+        assert!(r.violated());
+    }
+
+    #[test]
+    fn paused_holder_past_its_validity_is_a_raw_overlap_only() {
+        // a's lease ended at 15 (paused); b took the lock at 20; a ran on to 30 and its
+        // lost() fired at 25; its late write was rejected.
+        let mut a = sec("a", Kind::Plain, "n", 1, 10, 30, 15);
+        a.lost = Some(25);
+        a.write = FenceWrite::Rejected {
+            start: 29,
+            end: 30,
+            newest: 2,
+        };
+        let r = run(vec![a, sec("b", Kind::Plain, "n", 2, 20, 40, 60)], vec![]);
+        let t = r.total();
+        assert!(!r.violated(), "{:?}", r.evidence);
+        assert_eq!((t.valid_overlaps, t.raw_overlaps, t.raw_caught), (0, 1, 1));
+        assert_eq!((t.writes_accepted, t.writes_rejected), (1, 1));
+    }
+
+    #[test]
+    fn lost_ends_the_valid_part() {
+        let mut a = sec("a", Kind::Write, "n", 1, 10, 30, 50);
+        a.lost = Some(18);
+        let r = run(vec![a, sec("b", Kind::Write, "n", 2, 20, 40, 60)], vec![]);
+        assert_eq!(r.total().valid_overlaps, 0);
+        assert_eq!(r.total().raw_overlaps, 1);
+    }
+
+    #[test]
+    fn open_section_holds_until_its_validity_end() {
+        let mut a = sec("a", Kind::Plain, "n", 1, 10, 11, 50);
+        a.exit = None;
+        a.valid_at_exit = None;
+        a.write = FenceWrite::None;
+        let r = run(vec![a, sec("b", Kind::Plain, "n", 2, 40, 45, 60)], vec![]);
+        assert_eq!(r.total().valid_overlaps, 1);
+        assert_eq!(r.total().open, 1);
+    }
+
+    #[test]
+    fn overlap_after_data_loss_is_counted_apart() {
+        let faults = vec![FaultEvent {
+            kind: "kill".into(),
+            target: "s0".into(),
+            start: 12,
+            end: 14,
+            data_loss: true,
+        }];
+        let r = run(
+            vec![
+                sec("a", Kind::Plain, "n", 1, 10, 30, 50),
+                sec("b", Kind::Plain, "n", 2, 20, 40, 60),
+            ],
+            faults,
+        );
+        let t = r.total();
+        assert_eq!((t.valid_overlaps, t.after_data_loss, t.faults), (0, 1, 1));
+        assert!(!r.violated());
+        assert_eq!(r.rows["kill"].after_data_loss, 1);
+    }
+
+    #[test]
+    fn n_plus_one_permits_fail() {
+        let p = Kind::Permit(2);
+        let ok = run(
+            vec![
+                sec("a", p, "s", 1, 10, 30, 50),
+                sec("b", p, "s", 2, 11, 30, 50),
+                sec("c", p, "s", 3, 30, 40, 50),
+            ],
+            vec![],
+        );
+        assert!(!ok.violated(), "{:?}", ok.evidence);
+        let bad = run(
+            vec![
+                sec("a", p, "s", 1, 10, 30, 50),
+                sec("b", p, "s", 2, 11, 30, 50),
+                sec("c", p, "s", 3, 29, 40, 50),
+            ],
+            vec![],
+        );
+        assert_eq!(bad.total().permits_over, 1);
+        assert!(bad.violated());
+    }
+
+    #[test]
+    fn a_read_beside_a_write_fails() {
+        let ok = run(
+            vec![
+                sec("r1", Kind::Read, "rw", 1, 10, 20, 50),
+                sec("r2", Kind::Read, "rw", 2, 12, 22, 50),
+                sec("w", Kind::Write, "rw", 3, 22, 30, 50),
+            ],
+            vec![],
+        );
+        assert!(!ok.violated(), "{:?}", ok.evidence);
+        let bad = run(
+            vec![
+                sec("w", Kind::Write, "rw", 3, 10, 30, 50),
+                sec("r", Kind::Read, "rw", 4, 25, 35, 50),
+            ],
+            vec![],
+        );
+        assert_eq!(bad.total().read_beside_write, 1);
+        assert!(bad.violated());
+    }
+
+    #[test]
+    fn tokens_going_backwards_fail() {
+        let r = run(
+            vec![
+                sec("a", Kind::Plain, "n", 5, 10, 20, 50),
+                sec("b", Kind::Plain, "n", 5, 21, 30, 60),
+            ],
+            vec![],
+        );
+        assert_eq!(r.total().token_order, 1);
+        // A hold whose lease had ended before its holder saw the guard is not in the order.
+        let mut late = sec("a", Kind::Plain, "n", 4, 25, 26, 22);
+        late.write = FenceWrite::Rejected {
+            start: 25,
+            end: 26,
+            newest: 5,
+        };
+        let r = run(
+            vec![sec("b", Kind::Plain, "n", 5, 21, 24, 60), late],
+            vec![],
+        );
+        assert!(!r.violated(), "{:?}", r.evidence);
+    }
+
+    #[test]
+    fn fenced_write_accepted_out_of_token_order_fails() {
+        let mut a = sec("a", Kind::Plain, "n", 2, 10, 20, 15);
+        a.write = FenceWrite::Accepted { start: 18, end: 19 };
+        let mut b = sec("b", Kind::Plain, "n", 1, 5, 30, 8);
+        b.write = FenceWrite::Accepted { start: 25, end: 26 };
+        let r = run(vec![a, b], vec![]);
+        assert_eq!(r.total().fence_order, 1);
+        assert!(r.violated());
+    }
+}
