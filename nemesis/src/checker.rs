@@ -17,12 +17,12 @@
 //! It also reports *raw* overlaps (enter to exit, whatever the lease said: a holder paused
 //! past its TTL resumes and runs on) and how many of those `lost()` had told the holder of.
 //!
-//! A valid overlap whose earlier hold's lease may have been wiped by a server restart that
+//! A valid overlap (or permits over N, or a read beside a write) whose earlier hold's lease may have been wiped by a server restart that
 //! lost data (a kill without persistence, or the last second of an `appendfsync everysec`
 //! AOF) is counted apart, as *after data loss*: the README states that limit ("another client
 //! may take those locks from the moment the server is back: fence").
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use crate::record::{FaultEvent, FenceWrite, Kind, Records, Section};
@@ -214,6 +214,14 @@ pub fn check(records: &Records) -> Report {
     report
 }
 
+/// Whether a restart that lost data fell between `from` (an earlier hold's enter) and `to`
+/// (a later hold's enter): the earlier lease may have been wiped.
+fn after_loss(faults: &[FaultEvent], from: u64, to: u64) -> bool {
+    faults
+        .iter()
+        .any(|f| f.data_loss && from <= f.end && f.start <= to)
+}
+
 /// Overlaps among the exclusive holds of one name (sorted by enter), valid and raw, and the
 /// tokens' order.
 fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut Report) {
@@ -232,9 +240,7 @@ fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &
     for (i, &s) in valid.iter().enumerate() {
         if let Some(a) = furthest {
             if s.enter < a.valid_until() {
-                let lossy = faults
-                    .iter()
-                    .any(|f| f.data_loss && a.enter <= f.end && f.start <= s.enter);
+                let lossy = after_loss(faults, a.enter, s.enter);
                 let row = report
                     .rows
                     .entry(fault_of(faults, s.enter).into())
@@ -301,6 +307,9 @@ fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut
     }
     events.sort_by_key(|e| (e.0, e.1));
     let (mut permits, mut reads, mut writes) = (0u32, 0u32, 0u32);
+    // The holds valid now, by enter: the oldest tells whether a data-losing restart fell
+    // while they were held.
+    let mut active: BTreeSet<(u64, &str)> = BTreeSet::new();
     for (_, start, kind, s) in events {
         let d = |n: &mut u32| if start { *n += 1 } else { *n -= 1 };
         match kind {
@@ -309,29 +318,45 @@ fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut
             _ => d(&mut writes),
         }
         if !start {
+            active.remove(&(s.enter, s.id.as_str()));
             continue;
         }
+        active.insert((s.enter, s.id.as_str()));
+        let oldest = active.first().map_or(s.enter, |a| a.0);
+        let lossy = after_loss(faults, oldest, s.enter);
         if let Kind::Permit(n) = kind {
             if permits > n {
-                report
+                let row = report
                     .rows
                     .entry(fault_of(faults, s.enter).into())
-                    .or_default()
-                    .permits_over += 1;
+                    .or_default();
+                let what = if lossy {
+                    row.after_data_loss += 1;
+                    "permits over N after a restart that lost data (stated limit)"
+                } else {
+                    row.permits_over += 1;
+                    "PERMITS OVER N"
+                };
                 report.evidence.push(format!(
-                    "PERMITS OVER N on {name}: {permits} valid of {n} as this one entered:\n  {}",
+                    "{what} on {name}: {permits} valid of {n} as this one entered:\n  {}",
                     describe(s)
                 ));
             }
         }
         if reads > 0 && writes > 0 && matches!(kind, Kind::Read | Kind::Write) {
-            report
+            let row = report
                 .rows
                 .entry(fault_of(faults, s.enter).into())
-                .or_default()
-                .read_beside_write += 1;
+                .or_default();
+            let what = if lossy {
+                row.after_data_loss += 1;
+                "read beside a write after a restart that lost data (stated limit)"
+            } else {
+                row.read_beside_write += 1;
+                "READ BESIDE WRITE"
+            };
             report.evidence.push(format!(
-                "READ BESIDE WRITE on {name} ({reads} reads, {writes} writes) as this one entered:\n  {}",
+                "{what} on {name} ({reads} reads, {writes} writes) as this one entered:\n  {}",
                 describe(s)
             ));
         }
@@ -533,6 +558,27 @@ mod tests {
         );
         assert_eq!(bad.total().permits_over, 1);
         assert!(bad.violated());
+    }
+
+    #[test]
+    fn shared_excess_after_data_loss_is_counted_apart() {
+        let faults = vec![FaultEvent {
+            kind: "kill".into(),
+            target: "s0".into(),
+            start: 12,
+            end: 14,
+            data_loss: true,
+        }];
+        let r = run(
+            vec![
+                sec("w", Kind::Write, "rw", 3, 10, 30, 50),
+                sec("r", Kind::Read, "rw", 4, 25, 35, 50),
+            ],
+            faults,
+        );
+        assert_eq!(r.total().read_beside_write, 0);
+        assert_eq!(r.total().after_data_loss, 1);
+        assert!(!r.violated());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! - [`workload`]: a worker process's seeded workload of every lock kind;
 //! - [`topology`]: the servers of each configuration;
 //! - [`schedule`]: the faults, a seeded schedule of them, and how each is injected and healed;
+//! - [`run`]: one run of one configuration, from servers to the checker's report;
 //! - [`faults`]: the faults that need more than a signal (clock shifts, partitions, a proxy).
 
 #![forbid(unsafe_code)]
@@ -13,3 +14,8 @@
 pub mod checker;
 pub mod faults;
 pub mod record;
+pub mod run;
+pub mod schedule;
+mod support;
+pub mod topology;
+pub mod workload;

@@ -1,0 +1,124 @@
+//! One run of one configuration: start its servers, spawn the workers (this executable in
+//! `worker` mode), let the nemesis strike until the time is up, collect the records and
+//! check them.
+
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::checker::{check, Report};
+use crate::record::{mono_ns, Records};
+use crate::schedule::{Fault, Nemesis};
+use crate::topology::{Config, Launch, Topology};
+use crate::workload::{WorkerConfig, REDLOCK_MAX_LEASE};
+
+/// What a run is asked to do.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    /// The configuration.
+    pub config: Config,
+    /// How long the workload runs.
+    pub seconds: u64,
+    /// Worker processes.
+    pub workers: usize,
+    /// Tasks per worker.
+    pub tasks: usize,
+    /// The seed of the workload and the schedule.
+    pub seed: u64,
+    /// The faults to draw from (none: a clean run).
+    pub faults: Vec<Fault>,
+    /// Mutant workers (see `crate::workload`).
+    pub mutant: bool,
+    /// Where the record files go.
+    pub dir: PathBuf,
+}
+
+/// Runs `spec`; the checker's report, and the record directory.
+pub fn run(spec: &RunSpec) -> Report {
+    fs::create_dir_all(&spec.dir).expect("nemesis: cannot create the record directory");
+    let mut topo = Topology::start(spec.config, &Launch::default());
+    if spec.config == Config::Redlock5 {
+        // A fresh Redlock node counts toward no majority for its first quarantine.
+        std::thread::sleep(REDLOCK_MAX_LEASE);
+    }
+    let exe = std::env::current_exe().expect("nemesis: cannot find its own executable");
+    let start = mono_ns();
+    let until_ns = start + spec.seconds * 1_000_000_000;
+    let mut workers: Vec<Child> = (0..spec.workers)
+        .map(|id| {
+            let cfg = WorkerConfig {
+                id,
+                seed: spec.seed,
+                urls: topo.urls(),
+                redlock: spec.config == Config::Redlock5,
+                fence_url: topo.fence.url(),
+                out: spec.dir.join(format!("worker{id}.rec")),
+                until_ns,
+                tasks: spec.tasks,
+                mutant: spec.mutant,
+            };
+            Command::new(&exe)
+                .args(cfg.to_args())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("nemesis: cannot spawn a worker")
+        })
+        .collect();
+    let pids: Vec<u32> = workers.iter().map(Child::id).collect();
+    let mut nemesis = Nemesis::new(spec.seed, spec.faults.clone(), pids.clone());
+    let mut log = fs::File::create(spec.dir.join("faults.rec"))
+        .expect("nemesis: cannot create the fault log");
+    loop {
+        let gap = nemesis.gap();
+        if mono_ns() + u64::try_from(gap.as_nanos()).unwrap_or(0) >= until_ns {
+            break;
+        }
+        std::thread::sleep(gap);
+        match nemesis.strike(&mut topo) {
+            Some(event) => log
+                .write_all(event.line().as_bytes())
+                .expect("nemesis: cannot write the fault log"),
+            None => {
+                let left = until_ns.saturating_sub(mono_ns());
+                std::thread::sleep(Duration::from_nanos(left));
+                break;
+            }
+        }
+    }
+    drop(log);
+    // Every worker runs again (a late SIGCONT is harmless) and ends its last section.
+    for &pid in &pids {
+        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGCONT);
+    }
+    for (id, w) in workers.iter_mut().enumerate() {
+        let out = w.stdout.take().map(BufReader::new);
+        let status = w.wait().expect("nemesis: cannot wait for a worker");
+        let last = out
+            .and_then(|o| o.lines().map_while(Result::ok).last())
+            .unwrap_or_default();
+        if !status.success() {
+            eprintln!("worker{id} exited with {status}: {last}");
+        }
+    }
+    let mut records = Records::default();
+    for entry in fs::read_dir(&spec.dir).expect("nemesis: cannot list the records") {
+        let path = entry.expect("nemesis: cannot list the records").path();
+        if path.extension().is_some_and(|e| e == "rec") {
+            records
+                .read_file(&path)
+                .unwrap_or_else(|e| panic!("nemesis: cannot read {}: {e}", path.display()));
+        }
+    }
+    check(&records)
+}
+
+/// Removes a run's record directory.
+pub fn clean(dir: &Path) {
+    let _ = fs::remove_dir_all(dir);
+}

@@ -1,0 +1,200 @@
+//! The faults, a seeded schedule of them, and how each is injected and healed.
+//!
+//! One fault at a time: a gap of 0.2–2 s, a fault on a random target, held for its
+//! duration, healed, logged ([`FaultEvent`]). The same seed gives the same sequence of
+//! faults, targets and durations (the workers' timing still varies from run to run).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::record::{mono_ns, FaultEvent};
+use crate::topology::Topology;
+
+/// A fault the nemesis can inject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// `kill -9` a store server, restart it after 0–500 ms keeping its data dir (with AOF
+    /// it reloads what it persisted; without, it comes back empty).
+    Kill,
+    /// SIGSTOP a store server for 0.2–2 s, then SIGCONT.
+    Pause,
+    /// SIGSTOP a worker for 1.5–3 s (past every TTL it uses), then SIGCONT.
+    ClientPause,
+    /// `CLIENT KILL TYPE normal` on every store server.
+    ClientKill,
+    /// Busy loops (4 threads on this 2-core machine) for 1–3 s: the workers starve.
+    Starve,
+    /// A store server's wall clock shifted (needs `crate::faults`' clock shim; not wired).
+    ClockShift,
+    /// A partition between a worker and a server (needs `crate::faults`' namespaces; not
+    /// wired).
+    Partition,
+    /// Delays and drops through a proxy (needs `crate::faults`' proxy; not wired).
+    Delay,
+}
+
+impl Fault {
+    /// The faults this harness injects today.
+    pub const WIRED: [Fault; 5] = [
+        Fault::Kill,
+        Fault::Pause,
+        Fault::ClientPause,
+        Fault::ClientKill,
+        Fault::Starve,
+    ];
+
+    const NAMES: [(Fault, &'static str); 8] = [
+        (Fault::Kill, "kill"),
+        (Fault::Pause, "pause"),
+        (Fault::ClientPause, "client-pause"),
+        (Fault::ClientKill, "client-kill"),
+        (Fault::Starve, "starve"),
+        (Fault::ClockShift, "clock"),
+        (Fault::Partition, "partition"),
+        (Fault::Delay, "delay"),
+    ];
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = Fault::NAMES
+            .iter()
+            .find(|(k, _)| k == self)
+            .map_or("?", |(_, n)| n);
+        f.write_str(name)
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let f = Fault::NAMES
+            .iter()
+            .find(|(_, n)| *n == s)
+            .map(|(k, _)| *k)
+            .ok_or_else(|| format!("unknown fault {s:?}"))?;
+        if !Fault::WIRED.contains(&f) {
+            return Err(format!(
+                "fault {s:?} needs the faults module's launcher, not wired into the schedule yet"
+            ));
+        }
+        Ok(f)
+    }
+}
+
+/// Injects a seeded sequence of faults into a topology and its workers.
+#[derive(Debug)]
+pub struct Nemesis {
+    rng: StdRng,
+    faults: Vec<Fault>,
+    /// The worker processes' ids (targets of client pauses).
+    pub workers: Vec<u32>,
+}
+
+impl Nemesis {
+    /// A schedule of `faults` drawn by `seed`.
+    pub fn new(seed: u64, faults: Vec<Fault>, workers: Vec<u32>) -> Nemesis {
+        Nemesis {
+            rng: StdRng::seed_from_u64(seed ^ 0x6e656d65),
+            faults,
+            workers,
+        }
+    }
+
+    /// The gap before the next fault.
+    pub fn gap(&mut self) -> Duration {
+        Duration::from_millis(self.rng.random_range(200..2000))
+    }
+
+    /// Injects the next fault, holds it, heals it; what happened. `None` if no faults were
+    /// asked for.
+    pub fn strike(&mut self, topo: &mut Topology) -> Option<FaultEvent> {
+        if self.faults.is_empty() {
+            return None;
+        }
+        let fault = self.faults[self.rng.random_range(0..self.faults.len())];
+        let server = self.rng.random_range(0..topo.servers.len());
+        let ms = |rng: &mut StdRng, a: u64, b: u64| Duration::from_millis(rng.random_range(a..b));
+        let start = mono_ns();
+        let mut data_loss = false;
+        let target = match fault {
+            Fault::Kill => {
+                let down = ms(&mut self.rng, 0, 500);
+                let srv = &mut topo.servers[server];
+                srv.kill();
+                std::thread::sleep(down);
+                srv.restart_keeping_data();
+                data_loss = topo.config.kill_loses_leases();
+                format!("server{server}")
+            }
+            Fault::Pause => {
+                let d = ms(&mut self.rng, 200, 2000);
+                let srv = &topo.servers[server];
+                srv.pause();
+                std::thread::sleep(d);
+                srv.resume();
+                format!("server{server}")
+            }
+            Fault::ClientPause => {
+                let d = ms(&mut self.rng, 1500, 3000);
+                let w = self.rng.random_range(0..self.workers.len());
+                let pid = Pid::from_raw(self.workers[w] as i32);
+                if kill(pid, Signal::SIGSTOP).is_ok() {
+                    std::thread::sleep(d);
+                    let _ = kill(pid, Signal::SIGCONT);
+                }
+                format!("worker{w}")
+            }
+            Fault::ClientKill => {
+                for srv in &topo.servers {
+                    srv.kill_clients();
+                }
+                "all".to_string()
+            }
+            Fault::Starve => {
+                let d = ms(&mut self.rng, 1000, 3000);
+                starve(4, d);
+                "workers".to_string()
+            }
+            Fault::ClockShift | Fault::Partition | Fault::Delay => {
+                unreachable!("refused by Fault::from_str")
+            }
+        };
+        Some(FaultEvent {
+            kind: fault.to_string(),
+            target,
+            start,
+            end: mono_ns(),
+            data_loss,
+        })
+    }
+}
+
+/// Runs `threads` busy loops for `d`.
+fn starve(threads: usize, d: Duration) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let hogs: Vec<_> = (0..threads)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(d);
+    stop.store(true, Ordering::Relaxed);
+    for h in hogs {
+        let _ = h.join();
+    }
+}
