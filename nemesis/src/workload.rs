@@ -3,9 +3,10 @@
 //! ([`crate::record`]) and ending each exclusive one with a fenced write to a server the
 //! nemesis never faults.
 //!
-//! Names: `plain:0..3` (plain locks, and the names multi locks take two or three of, so a
-//! multi lock excludes plain holders too), `fair:0..2`, `re:0..2` (reentrant: a nested hold
-//! inside each reign), `sem:0..2` (semaphores of [`PERMITS`]), `rw:0..2` (reads and writes).
+//! Names ([`NAMES`] per kind): `plain:N` (plain locks, and the names multi locks take two or
+//! three adjacent ones of, so a multi lock excludes plain holders too), `fair:N`, `re:N`
+//! (reentrant: a nested hold inside each reign), `sem:N` (semaphores of [`PERMITS`]), `rw:N`
+//! (reads and writes).
 //! TTLs are 300 ms, 500 ms or 1 s with the watchdog on; sections last 0–20 ms, and one in 50
 //! outlasts its TTL (1.2–2 TTLs) so that the watchdog must extend it.
 //!
@@ -31,6 +32,8 @@ use redlease::{
 
 use crate::record::{instant_ns, mono_ns, FenceWrite, Kind, Recorder, Section};
 
+/// Names per lock kind.
+pub const NAMES: usize = 4;
 /// Permits of each semaphore.
 pub const PERMITS: u32 = 2;
 /// How long an acquire waits before it gives up (and the task tries another section).
@@ -250,12 +253,12 @@ impl Worker {
             e => io::Error::other(e.to_string()),
         };
         let owner = Owner::named(holder);
-        let i = rng.random_range(0..2);
+        let i = rng.random_range(0..NAMES);
         // The holds, each with its kind and name; the reentrant lock for the nested hold.
         let mut reentrant = None;
         let held: Vec<(Kind, String, LockGuard)> = match pick {
             Pick::Plain => {
-                let name = format!("plain:{}", rng.random_range(0..3));
+                let name = format!("plain:{}", rng.random_range(0..NAMES));
                 let g = lock(&name)?.acquire().await.map_err(e)?;
                 vec![(Kind::Plain, name, g)]
             }
@@ -272,20 +275,20 @@ impl Worker {
                 vec![(Kind::Reentrant, name, g)]
             }
             Pick::Multi => {
-                let mut names: Vec<String> = (0..3).map(|n| format!("plain:{n}")).collect();
-                names.remove(rng.random_range(0..3));
-                if rng.random_ratio(1, 3) {
-                    names = (0..3).map(|n| format!("plain:{n}")).collect();
-                }
+                // Two or three adjacent plain names (wrapping), so sets overlap in part.
+                let first = rng.random_range(0..NAMES);
+                let names: Vec<String> = (0..rng.random_range(2..4))
+                    .map(|k| format!("plain:{}", (first + k) % NAMES))
+                    .collect();
                 let locks = names
                     .iter()
                     .map(|n| lock(n))
                     .collect::<io::Result<Vec<_>>>()?;
                 let g = MultiLock::of(locks).acquire().await.map_err(e)?;
-                names
+                // The guards come in the global order of their keys: each names itself.
+                g.into_guards()
                     .into_iter()
-                    .zip(g.into_guards())
-                    .map(|(n, g)| (Kind::Multi, n, g))
+                    .map(|g| (Kind::Multi, g.name().to_string(), g))
                     .collect()
             }
             Pick::Permit => {
