@@ -49,6 +49,10 @@ pub struct Row {
     pub raw_caught: usize,
     /// Sections whose `lost()` fired before exit.
     pub lost: usize,
+    /// Holds whose lease had ended before the holder had the guard in hand (a multi lock
+    /// whose first lease ran out while it waited for the next; a holder paused between the
+    /// grant and its enter): never valid, and not in the token order.
+    pub dead_on_arrival: usize,
     /// Instants with more valid permits than the semaphore has.
     pub permits_over: usize,
     /// Instants with a valid read beside a valid write.
@@ -85,6 +89,7 @@ impl Row {
         self.raw_overlaps += o.raw_overlaps;
         self.raw_caught += o.raw_caught;
         self.lost += o.lost;
+        self.dead_on_arrival += o.dead_on_arrival;
         self.permits_over += o.permits_over;
         self.read_beside_write += o.read_beside_write;
         self.token_order += o.token_order;
@@ -130,13 +135,13 @@ impl Report {
 }
 
 /// Header of [`Row`]'s `Display`.
-pub const HEADER: &str = "fault          sections   open faults valid-ovl after-loss raw-ovl (lost-told)  lost permits>N rd+wr token-ord  fenced-acc fenced-rej fenced-err fence-ord";
+pub const HEADER: &str = "fault          sections   open faults valid-ovl after-loss raw-ovl (lost-told)  lost   doa permits>N rd+wr token-ord  fenced-acc fenced-rej fenced-err fence-ord";
 
 impl fmt::Display for Row {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:>10} {:>6} {:>6} {:>9} {:>10} {:>7} ({:>10}) {:>5} {:>9} {:>5} {:>9}  {:>10} {:>10} {:>10} {:>9}",
+            "{:>10} {:>6} {:>6} {:>9} {:>10} {:>7} ({:>10}) {:>5} {:>5} {:>9} {:>5} {:>9}  {:>10} {:>10} {:>10} {:>9}",
             self.sections,
             self.open,
             self.faults,
@@ -145,6 +150,7 @@ impl fmt::Display for Row {
             self.raw_overlaps,
             self.raw_caught,
             self.lost,
+            self.dead_on_arrival,
             self.permits_over,
             self.read_beside_write,
             self.token_order,
@@ -195,6 +201,7 @@ pub fn check(records: &Records) -> Report {
         row.sections += 1;
         row.open += s.exit.is_none() as usize;
         row.lost += s.lost.is_some() as usize;
+        row.dead_on_arrival += (s.valid_until() <= s.enter) as usize;
         match s.write {
             FenceWrite::Accepted { .. } => row.writes_accepted += 1,
             FenceWrite::Rejected { .. } => row.writes_rejected += 1,
@@ -625,6 +632,7 @@ mod tests {
             vec![],
         );
         assert!(!r.violated(), "{:?}", r.evidence);
+        assert_eq!(r.total().dead_on_arrival, 1);
     }
 
     #[test]

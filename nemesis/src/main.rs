@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use redlease_nemesis::checker::{Report, HEADER};
 use redlease_nemesis::run::{clean, run, RunSpec};
 use redlease_nemesis::schedule::Fault;
-use redlease_nemesis::topology::Config;
+use redlease_nemesis::topology::{Config, Launch};
 use redlease_nemesis::workload::{self, WorkerConfig};
 
 #[derive(Parser, Debug)]
@@ -59,6 +59,10 @@ enum Mode {
         /// Where the record files go (default: a directory under the temp dir).
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// Start every store server under this command (comma-separated words, e.g.
+        /// `env,A=1`): the launcher the faults' namespaces and clock shim use.
+        #[arg(long, value_delimiter = ',')]
+        server_prefix: Vec<String>,
     },
     /// One worker process (spawned by `run`).
     #[command(hide = true)]
@@ -140,6 +144,7 @@ fn main() -> ExitCode {
             mutant,
             keep,
             dir,
+            server_prefix,
         } => {
             let seed = seed.unwrap_or_else(rand::random);
             println!("seed {seed}");
@@ -162,6 +167,10 @@ fn main() -> ExitCode {
                     faults: faults.clone(),
                     mutant,
                     dir: base.join(c.to_string()),
+                    launch: Launch {
+                        prefix: server_prefix.clone(),
+                        ..Launch::default()
+                    },
                 };
                 let report = run(&spec);
                 print_report(c, &report);

@@ -36,12 +36,14 @@ pub struct RunSpec {
     pub mutant: bool,
     /// Where the record files go.
     pub dir: PathBuf,
+    /// How every store server is started (the default: `RedisServer`).
+    pub launch: Launch,
 }
 
 /// Runs `spec`; the checker's report, and the record directory.
 pub fn run(spec: &RunSpec) -> Report {
     fs::create_dir_all(&spec.dir).expect("nemesis: cannot create the record directory");
-    let mut topo = Topology::start(spec.config, &Launch::default());
+    let mut topo = Topology::start(spec.config, &|_| spec.launch.clone());
     if spec.config == Config::Redlock5 {
         // A fresh Redlock node counts toward no majority for its first quarantine.
         std::thread::sleep(REDLOCK_MAX_LEASE);

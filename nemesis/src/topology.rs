@@ -1,13 +1,21 @@
 //! The servers of each configuration: the lock store's servers (which the nemesis faults) and
 //! the fenced resource's server (which it never faults).
 //!
-//! Servers are `tests/support/server.rs`'s `RedisServer` on loopback ports. [`Launch`] is
-//! the place for what that spawner cannot do (an environment such as a clock shim's
+//! Servers are `tests/support/server.rs`'s `RedisServer` on loopback ports, or, when a
+//! [`Launch`] asks for what that spawner cannot do (an environment such as a clock shim's
 //! `LD_PRELOAD`, a command prefix such as `ip netns exec`, an address other than
-//! 127.0.0.1): see its docs.
+//! 127.0.0.1), a [`LaunchedServer`]. The nemesis handles either as a [`Node`].
 
 use std::fmt;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 
 use crate::support::server::RedisServer;
 
@@ -55,18 +63,197 @@ impl FromStr for Config {
 }
 
 /// How to start a server beyond the defaults: the seam for the faults under
-/// `crate::faults` (a clock shim's environment, a network namespace's `ip netns exec`
-/// prefix and address). Only the default (all empty) is served by `RedisServer` today; a
-/// topology asked for more panics with a clear message until a launcher that honours it is
-/// wired in here.
+/// `crate::faults`. A clock shim gives an environment (`ClockOffset::env()`), a network
+/// namespace a command prefix (`Net::exec_prefix(host)`) and an address (`Net::addr(host)`).
+/// The default (all empty) starts `tests/support/server.rs`'s `RedisServer`; anything else
+/// starts a [`LaunchedServer`].
 #[derive(Clone, Debug, Default)]
 pub struct Launch {
     /// Extra environment of the server process.
     pub env: Vec<(String, String)>,
-    /// A command the server runs under (`["ip", "netns", "exec", "h1"]`).
+    /// A command the server runs under (`["ip", "netns", "exec", "h1"]`); it must exec the
+    /// server (so that signals to the child reach it).
     pub prefix: Vec<String>,
-    /// The address to bind instead of 127.0.0.1.
+    /// The address to bind and to reach the server at, instead of 127.0.0.1.
     pub bind: Option<String>,
+}
+
+impl Launch {
+    fn is_default(&self) -> bool {
+        self.env.is_empty() && self.prefix.is_empty() && self.bind.is_none()
+    }
+}
+
+/// A store server as the nemesis handles it.
+pub trait Node: fmt::Debug + Send {
+    /// `redis://HOST:PORT`.
+    fn url(&self) -> String;
+    /// SIGKILL.
+    fn kill(&mut self);
+    /// Starts it again on the same port and data dir (AOF reloaded, if any).
+    fn restart_keeping_data(&mut self);
+    /// SIGSTOP.
+    fn pause(&self);
+    /// SIGCONT.
+    fn resume(&self);
+    /// `CLIENT KILL TYPE normal`.
+    fn kill_clients(&self);
+}
+
+impl Node for RedisServer {
+    fn url(&self) -> String {
+        RedisServer::url(self)
+    }
+    fn kill(&mut self) {
+        RedisServer::kill(self)
+    }
+    fn restart_keeping_data(&mut self) {
+        RedisServer::restart_keeping_data(self)
+    }
+    fn pause(&self) {
+        RedisServer::pause(self)
+    }
+    fn resume(&self) {
+        RedisServer::resume(self)
+    }
+    fn kill_clients(&self) {
+        RedisServer::kill_clients(self);
+    }
+}
+
+/// A redis-server started with a [`Launch`]: its environment, under its prefix, bound to
+/// its address, in a private directory (removed on drop, when the process is killed).
+#[derive(Debug)]
+pub struct LaunchedServer {
+    launch: Launch,
+    args: Vec<String>,
+    host: String,
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl LaunchedServer {
+    /// Starts `redis-server` with `args` (beside port, bind, dir and the defaults of
+    /// `tests/support/server.rs`: no RDB, no AOF unless `args` say so) and waits until it
+    /// answers PING.
+    pub fn start(launch: &Launch, args: &[&str]) -> LaunchedServer {
+        let host = launch.bind.clone().unwrap_or_else(|| "127.0.0.1".into());
+        let port = TcpListener::bind((host.as_str(), 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or_else(|_| {
+                // An address of another namespace: any high port is free there.
+                20_000 + (std::process::id() % 20_000) as u16
+            });
+        let dir = std::env::temp_dir().join(format!(
+            "redlease-nemesis-srv-{}-{host}-{port}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("nemesis: cannot create a server directory");
+        let mut s = LaunchedServer {
+            launch: launch.clone(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            host,
+            port,
+            dir,
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        let mut words: Vec<String> = self.launch.prefix.clone();
+        words.push(bin);
+        let port = self.port.to_string();
+        let dir = self.dir.display().to_string();
+        let log = self.dir.join("redis.log").display().to_string();
+        for w in [
+            "--port",
+            &port,
+            "--bind",
+            &self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            &dir,
+            "--logfile",
+            &log,
+        ] {
+            words.push(w.to_string());
+        }
+        words.extend(self.args.iter().cloned());
+        let child = Command::new(&words[0])
+            .args(&words[1..])
+            .envs(self.launch.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("nemesis: cannot start {words:?}: {e}"));
+        self.child = Some(child);
+        let up = crate::support::wait_for_interval(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || self.command("PING").is_ok_and(|r| r.starts_with("+PONG")),
+        );
+        assert!(up, "nemesis: {words:?} did not answer PING in 10 s");
+    }
+
+    /// Sends one inline command on a fresh connection; the first reply line.
+    fn command(&self, cmd: &str) -> std::io::Result<String> {
+        let mut c = TcpStream::connect((self.host.as_str(), self.port))?;
+        c.set_read_timeout(Some(Duration::from_secs(2)))?;
+        c.write_all(format!("{cmd}\r\n").as_bytes())?;
+        let mut line = String::new();
+        BufReader::new(c).read_line(&mut line)?;
+        Ok(line)
+    }
+
+    fn signal(&self, sig: Signal) {
+        if let Some(c) = &self.child {
+            let _ = kill(Pid::from_raw(c.id() as i32), sig);
+        }
+    }
+}
+
+impl Node for LaunchedServer {
+    fn url(&self) -> String {
+        format!("redis://{}:{}", self.host, self.port)
+    }
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    fn restart_keeping_data(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+    fn pause(&self) {
+        self.signal(Signal::SIGSTOP)
+    }
+    fn resume(&self) {
+        self.signal(Signal::SIGCONT)
+    }
+    fn kill_clients(&self) {
+        let _ = self.command("CLIENT KILL TYPE normal");
+    }
+}
+
+impl Drop for LaunchedServer {
+    fn drop(&mut self) {
+        self.signal(Signal::SIGCONT);
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// A configuration's servers.
@@ -75,28 +262,29 @@ pub struct Topology {
     /// The configuration.
     pub config: Config,
     /// The lock store's servers (faulted).
-    pub servers: Vec<RedisServer>,
+    pub servers: Vec<Box<dyn Node>>,
     /// The fenced resource's server (never faulted).
     pub fence: RedisServer,
 }
 
 impl Topology {
-    /// Starts the servers of `config`, each launched as `launch` says.
-    pub fn start(config: Config, launch: &Launch) -> Topology {
-        assert!(
-            launch.env.is_empty() && launch.prefix.is_empty() && launch.bind.is_none(),
-            "nemesis: servers with an environment, a prefix or an address need the faults' launcher"
-        );
-        let servers = match config {
-            Config::Single => vec![RedisServer::start()],
-            Config::SingleAof => vec![RedisServer::start_with(&[
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-            ])],
-            Config::Redlock5 => (0..5).map(|_| RedisServer::start()).collect(),
+    /// Starts the servers of `config`; server `i` as `launch(i)` says.
+    pub fn start(config: Config, launch: &dyn Fn(usize) -> Launch) -> Topology {
+        let (count, args): (usize, &[&str]) = match config {
+            Config::Single => (1, &[]),
+            Config::SingleAof => (1, &["--appendonly", "yes", "--appendfsync", "everysec"]),
+            Config::Redlock5 => (5, &[]),
         };
+        let servers = (0..count)
+            .map(|i| {
+                let l = launch(i);
+                if l.is_default() {
+                    Box::new(RedisServer::start_with(args)) as Box<dyn Node>
+                } else {
+                    Box::new(LaunchedServer::start(&l, args)) as Box<dyn Node>
+                }
+            })
+            .collect();
         Topology {
             config,
             servers,
@@ -106,6 +294,6 @@ impl Topology {
 
     /// The lock store's URLs.
     pub fn urls(&self) -> Vec<String> {
-        self.servers.iter().map(RedisServer::url).collect()
+        self.servers.iter().map(|s| s.url()).collect()
     }
 }
