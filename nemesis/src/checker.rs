@@ -174,11 +174,12 @@ fn fault_of(faults: &[FaultEvent], t: u64) -> &str {
 
 fn describe(s: &Section) -> String {
     format!(
-        "{} {:?} {} token {} enter {} exit {} valid-end {} lost {} write {:?}",
+        "{} {:?} {} token {} asked {} enter {} exit {} valid-end {} lost {} write {:?}",
         s.id,
         s.kind,
         s.holder,
         s.token,
+        s.asked,
         s.enter,
         s.exit.map_or("open".into(), |e| e.to_string()),
         s.valid_end().map_or("-".into(), |e| e.to_string()),
@@ -221,8 +222,9 @@ pub fn check(records: &Records) -> Report {
     report
 }
 
-/// Whether a restart that lost data fell between `from` (an earlier hold's enter) and `to`
-/// (a later hold's enter): the earlier lease may have been wiped.
+/// Whether a restart that lost data fell between `from` (when the earlier of two holds was
+/// asked for: it was granted after) and `to` (the later hold's enter): the earlier lease may
+/// have been wiped.
 fn after_loss(faults: &[FaultEvent], from: u64, to: u64) -> bool {
     faults
         .iter()
@@ -243,11 +245,51 @@ fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &
         .copied()
         .filter(|s| s.valid_until() > s.enter)
         .collect();
+    // A multi lock's first names were granted long before its enter: its token is checked
+    // against the holds that had ended before it asked, not by its enter.
+    for &m in valid.iter().filter(|s| s.kind == Kind::Multi) {
+        if let Some(b) = valid
+            .iter()
+            .filter(|b| b.valid_until() < m.asked && b.token >= m.token)
+            .max_by_key(|b| b.token)
+        {
+            report
+                .rows
+                .entry(fault_of(faults, m.enter).into())
+                .or_default()
+                .token_order += 1;
+            report.evidence.push(format!(
+                "TOKEN ORDER on {name}: a multi lock's token not above that of a hold ended before it asked:\n  {}\n  {}",
+                describe(b),
+                describe(m)
+            ));
+        }
+    }
+    let ordered: Vec<&Section> = valid
+        .iter()
+        .copied()
+        .filter(|s| s.kind != Kind::Multi)
+        .collect();
+    for pair in ordered.windows(2) {
+        let (a, s) = (pair[0], pair[1]);
+        if s.token <= a.token {
+            report
+                .rows
+                .entry(fault_of(faults, s.enter).into())
+                .or_default()
+                .token_order += 1;
+            report.evidence.push(format!(
+                "TOKEN ORDER on {name}: a later valid hold has a token not above the earlier's:\n  {}\n  {}",
+                describe(a),
+                describe(s)
+            ));
+        }
+    }
     let mut furthest: Option<&Section> = None;
-    for (i, &s) in valid.iter().enumerate() {
+    for &s in &valid {
         if let Some(a) = furthest {
             if s.enter < a.valid_until() {
-                let lossy = after_loss(faults, a.enter, s.enter);
+                let lossy = after_loss(faults, a.asked.min(s.asked), s.enter);
                 let row = report
                     .rows
                     .entry(fault_of(faults, s.enter).into())
@@ -265,18 +307,6 @@ fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &
                     describe(s)
                 ));
             }
-        }
-        if i > 0 && s.token <= valid[i - 1].token {
-            report
-                .rows
-                .entry(fault_of(faults, s.enter).into())
-                .or_default()
-                .token_order += 1;
-            report.evidence.push(format!(
-                "TOKEN ORDER on {name}: a later valid hold has a token not above the earlier's:\n  {}\n  {}",
-                describe(valid[i - 1]),
-                describe(s)
-            ));
         }
         if furthest.is_none_or(|a| s.valid_until() > a.valid_until()) {
             furthest = Some(s);
@@ -325,11 +355,11 @@ fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut
             _ => d(&mut writes),
         }
         if !start {
-            active.remove(&(s.enter, s.id.as_str()));
+            active.remove(&(s.asked, s.id.as_str()));
             continue;
         }
-        active.insert((s.enter, s.id.as_str()));
-        let oldest = active.first().map_or(s.enter, |a| a.0);
+        active.insert((s.asked, s.id.as_str()));
+        let oldest = active.first().map_or(s.asked, |a| a.0);
         let lossy = after_loss(faults, oldest, s.enter);
         if let Kind::Permit(n) = kind {
             if permits > n {
@@ -430,6 +460,7 @@ mod tests {
             name: name.into(),
             holder: id.into(),
             token,
+            asked: enter,
             enter,
             valid_at_enter: Some(valid),
             exit: Some(exit),
@@ -541,6 +572,43 @@ mod tests {
         assert_eq!((t.valid_overlaps, t.after_data_loss, t.faults), (0, 1, 1));
         assert!(!r.violated());
         assert_eq!(r.rows["kill"].after_data_loss, 1);
+    }
+
+    #[test]
+    fn multi_granted_before_a_data_loss_and_entered_late() {
+        // The multi lock took "n" at 5 (token 1), waited for its next name across a restart
+        // that lost data (12..14); "n" went to b (token 2) at 20; the multi entered at 21
+        // and was told lost at 22.
+        let faults = vec![FaultEvent {
+            kind: "kill".into(),
+            target: "s0".into(),
+            start: 12,
+            end: 14,
+            data_loss: true,
+        }];
+        let mut m = sec("m", Kind::Multi, "n", 1, 21, 30, 50);
+        m.asked = 5;
+        m.lost = Some(22);
+        let r = run(
+            vec![sec("b", Kind::Plain, "n", 2, 20, 40, 60), m.clone()],
+            faults,
+        );
+        let t = r.total();
+        assert_eq!(
+            (t.valid_overlaps, t.after_data_loss, t.token_order),
+            (0, 1, 0)
+        );
+        // Without the restart the same records are an overlap.
+        let r = run(vec![sec("b", Kind::Plain, "n", 2, 20, 40, 60), m], vec![]);
+        assert_eq!(r.total().valid_overlaps, 1);
+        // A multi lock asked for after a hold with a higher token had ended: tokens went back.
+        let mut late = sec("m", Kind::Multi, "n", 1, 50, 60, 90);
+        late.asked = 45;
+        let r = run(
+            vec![sec("b", Kind::Plain, "n", 2, 20, 40, 60), late],
+            vec![],
+        );
+        assert_eq!(r.total().token_order, 1);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! killed mid-section leaves its section open:
 //!
 //! ```text
-//! S <id> <kind> <name> <holder> <token> <enter> <valid_end at enter|->
+//! S <id> <kind> <name> <holder> <token> <asked> <enter> <valid_end at enter|->
 //! X <id> <exit> <valid_end at exit|-> <lost|-> <write>
 //! ```
 //!
@@ -127,6 +127,9 @@ pub struct Section {
     pub holder: String,
     /// The guard's fencing token.
     pub token: u64,
+    /// When the acquire began: the grant fell between this and `enter` (for a multi lock,
+    /// its first names were granted well before its enter).
+    pub asked: u64,
     /// When the guard was in hand.
     pub enter: u64,
     /// The guard's `valid_until()` at enter; `None` when the holder ignores it (mutant).
@@ -169,12 +172,13 @@ impl Section {
     /// The enter line.
     pub fn enter_line(&self) -> String {
         format!(
-            "S {} {} {} {} {} {} {}\n",
+            "S {} {} {} {} {} {} {} {}\n",
             self.id,
             self.kind.encode(),
             self.name,
             self.holder,
             self.token,
+            self.asked,
             self.enter,
             opt(self.valid_at_enter)
         )
@@ -287,7 +291,7 @@ impl Records {
     ) -> Option<()> {
         let f: Vec<&str> = line.split(' ').collect();
         match f.as_slice() {
-            ["S", id, kind, name, holder, token, enter, valid] => {
+            ["S", id, kind, name, holder, token, asked, enter, valid] => {
                 open.insert(id.to_string(), self.sections.len());
                 self.sections.push(Section {
                     id: id.to_string(),
@@ -295,6 +299,7 @@ impl Records {
                     name: name.to_string(),
                     holder: holder.to_string(),
                     token: token.parse().ok()?,
+                    asked: asked.parse().ok()?,
                     enter: enter.parse().ok()?,
                     valid_at_enter: parse_opt(valid)?,
                     exit: None,
@@ -349,6 +354,7 @@ mod tests {
             name: "sem:0".into(),
             holder: "w1.t0".into(),
             token: 42,
+            asked: 90,
             enter: 100,
             valid_at_enter: Some(400),
             exit: Some(200),

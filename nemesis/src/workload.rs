@@ -94,7 +94,8 @@ pub struct WorkerStats {
     pub sections: u64,
     /// Acquires that failed or timed out.
     pub acquire_errors: u64,
-    /// Nested reentrant holds whose token differed from their reign's.
+    /// Nested reentrant holds whose token differed from their reign's while the reign's
+    /// guard was not lost.
     pub reentrant_mismatch: u64,
 }
 
@@ -256,6 +257,7 @@ impl Worker {
         let i = rng.random_range(0..NAMES);
         // The holds, each with its kind and name; the reentrant lock for the nested hold.
         let mut reentrant = None;
+        let asked = mono_ns();
         let held: Vec<(Kind, String, LockGuard)> = match pick {
             Pick::Plain => {
                 let name = format!("plain:{}", rng.random_range(0..NAMES));
@@ -317,6 +319,7 @@ impl Worker {
                 name: name.clone(),
                 holder: holder.to_string(),
                 token: g.fencing_token(),
+                asked,
                 enter,
                 valid_at_enter: honest.then(|| instant_ns(g.valid_until())),
                 exit: None,
@@ -330,9 +333,23 @@ impl Worker {
         }
         // The work: a nested hold for a reentrant reign, then a sleep, raced against lost().
         if let (Some(l), Some((_, _, outer))) = (&reentrant, held.first()) {
+            let nested_at = mono_ns();
             if let Ok(inner) = l.acquire().await {
+                // A nested hold shares its reign's token, unless the reign's lease was lost
+                // (then the nested acquire began a new reign, and the outer guard says lost).
                 if inner.fencing_token() != outer.fencing_token() {
-                    self.count(|s| s.reentrant_mismatch += 1);
+                    let outer_lost = outer.is_lost();
+                    if !outer_lost {
+                        self.count(|s| s.reentrant_mismatch += 1);
+                    }
+                    eprintln!(
+                        "{holder}.{seq}: nested reentrant hold of {} has token {} (reign {}, asked at {nested_at}, got at {}); outer lost: {outer_lost}, outer valid until {}",
+                        outer.name(),
+                        inner.fencing_token(),
+                        outer.fencing_token(),
+                        mono_ns(),
+                        instant_ns(outer.valid_until())
+                    );
                 }
                 drop(inner);
             }
