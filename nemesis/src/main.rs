@@ -26,7 +26,7 @@ struct Cli {
 enum Mode {
     /// Runs configurations under a seeded schedule of faults and checks the records.
     Run {
-        /// Configurations, comma-separated: single, single-aof, redlock5.
+        /// Configurations, comma-separated: single, single-aof, redlock5, cluster.
         #[arg(long, default_value = "single", value_delimiter = ',')]
         config: Vec<Config>,
         /// Seconds of workload per configuration.

@@ -141,6 +141,7 @@ impl Nemesis {
                 srv.pause();
                 std::thread::sleep(d);
                 srv.resume();
+                data_loss = topo.config.pause_loses_leases() && d >= Duration::from_secs(1);
                 format!("server{server}")
             }
             Fault::ClientPause => {

@@ -1,9 +1,18 @@
-//! The test suite's redis-server spawner (one copy of the code, shared with the tests and the
+//! The test suite's redis-server spawner and Redis Cluster (one copy of the code, shared with the tests and the
 //! benchmark), and the polling helper it calls as `super::wait_for_interval`.
 
 #[path = "../../tests/support/server.rs"]
 #[allow(dead_code, unreachable_pub, missing_docs)]
 pub mod server;
+
+#[path = "../../tests/support/cluster.rs"]
+#[allow(
+    dead_code,
+    unreachable_pub,
+    missing_docs,
+    missing_debug_implementations
+)]
+pub mod cluster;
 
 #[path = "../../tests/support/wait.rs"]
 mod wait;

@@ -17,6 +17,7 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use crate::support::cluster::RedisCluster;
 use crate::support::server::RedisServer;
 
 /// A configuration of the lock store.
@@ -28,17 +29,32 @@ pub enum Config {
     SingleAof,
     /// Redlock over 5 servers without persistence, with the restart quarantine.
     Redlock5,
+    /// A Redis Cluster of 3 primaries with a replica each, no persistence, no `ReplicaAck`:
+    /// a kill or a pause past the node timeout (1 s) fails over to a replica that may lack
+    /// the last grants (a stated limit without `ReplicaAck`).
+    Cluster,
 }
 
 impl Config {
     /// All configurations, in the order a run takes them.
-    pub const ALL: [Config; 3] = [Config::Single, Config::SingleAof, Config::Redlock5];
+    pub const ALL: [Config; 4] = [
+        Config::Single,
+        Config::SingleAof,
+        Config::Redlock5,
+        Config::Cluster,
+    ];
 
     /// Whether killing a server may lose leases that holders still consider valid, as the
     /// README states for one server (restart without persistence, or AOF's last second).
     /// Redlock's restart quarantine is meant to cover its nodes' kills: not excused.
     pub fn kill_loses_leases(self) -> bool {
-        matches!(self, Config::Single | Config::SingleAof)
+        matches!(self, Config::Single | Config::SingleAof | Config::Cluster)
+    }
+
+    /// Whether pausing a server may lose leases: on a cluster, a pause past the node
+    /// timeout fails over to a replica that may lack the last grants.
+    pub fn pause_loses_leases(self) -> bool {
+        matches!(self, Config::Cluster)
     }
 }
 
@@ -48,6 +64,7 @@ impl fmt::Display for Config {
             Config::Single => "single",
             Config::SingleAof => "single-aof",
             Config::Redlock5 => "redlock5",
+            Config::Cluster => "cluster",
         })
     }
 }
@@ -58,7 +75,9 @@ impl FromStr for Config {
         Config::ALL
             .into_iter()
             .find(|c| c.to_string() == s)
-            .ok_or_else(|| format!("unknown configuration {s:?} (single, single-aof, redlock5)"))
+            .ok_or_else(|| {
+                format!("unknown configuration {s:?} (single, single-aof, redlock5, cluster)")
+            })
     }
 }
 
@@ -261,8 +280,10 @@ impl Drop for LaunchedServer {
 pub struct Topology {
     /// The configuration.
     pub config: Config,
-    /// The lock store's servers (faulted).
+    /// The lock store's servers (faulted); a cluster's primaries first, then replicas.
     pub servers: Vec<Box<dyn Node>>,
+    /// A cluster's URL (naming its first primaries); `None`: the servers' own URLs.
+    pub cluster_url: Option<String>,
     /// The fenced resource's server (never faulted).
     pub fence: RedisServer,
 }
@@ -270,8 +291,26 @@ pub struct Topology {
 impl Topology {
     /// Starts the servers of `config`; server `i` as `launch(i)` says.
     pub fn start(config: Config, launch: &dyn Fn(usize) -> Launch) -> Topology {
+        if config == Config::Cluster {
+            assert!(
+                launch(0).is_default(),
+                "nemesis: a cluster's nodes start as tests/support/cluster.rs starts them"
+            );
+            let mut cluster = RedisCluster::start(3, 1);
+            let url = cluster.url();
+            let servers = std::mem::take(&mut cluster.nodes)
+                .into_iter()
+                .map(|n| Box::new(n) as Box<dyn Node>)
+                .collect();
+            return Topology {
+                config,
+                servers,
+                cluster_url: Some(url),
+                fence: RedisServer::start(),
+            };
+        }
         let (count, args): (usize, &[&str]) = match config {
-            Config::Single => (1, &[]),
+            Config::Single | Config::Cluster => (1, &[]),
             Config::SingleAof => (1, &["--appendonly", "yes", "--appendfsync", "everysec"]),
             Config::Redlock5 => (5, &[]),
         };
@@ -288,12 +327,16 @@ impl Topology {
         Topology {
             config,
             servers,
+            cluster_url: None,
             fence: RedisServer::start(),
         }
     }
 
-    /// The lock store's URLs.
+    /// The lock store's URLs: a cluster's one URL, or each server's.
     pub fn urls(&self) -> Vec<String> {
-        self.servers.iter().map(|s| s.url()).collect()
+        match &self.cluster_url {
+            Some(url) => vec![url.clone()],
+            None => self.servers.iter().map(|s| s.url()).collect(),
+        }
     }
 }
