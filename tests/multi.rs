@@ -1101,3 +1101,48 @@ async fn lost_is_pending_while_all_are_held_in_memory() {
     // The guard gone, lost() resolves (as a single guard's does).
     within("lost() after the drop", lost).await;
 }
+
+/// A lock taken first and lost while the next one is waited for (the server paused past its
+/// validity, so the watchdog could not extend it) is not handed out in the multi guard: every
+/// lock is given back and taken again, and the guard returned holds none that is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_lost_while_the_next_is_waited_for_is_taken_again() {
+    let srv = RedisServer::start();
+    // b's holder keeps 1.2 s leases; the multi lock's a has 300 ms ones, so whenever b's
+    // holder is told its lease is lost, a's lease (confirmed no later than the pause) ended
+    // before.
+    let other = manager(&srv, LockOptions::new().ttl(ms(1_200))).await;
+    let locks = manager(&srv, opts()).await;
+    let held_b = take(&other, "b").await;
+    let a = locks.lock_with("a", |o| o.ttl(ms(300))).expect("options");
+    let b = locks.lock("b");
+    let waiting = tokio::spawn(async move { MultiLock::of([a, b]).acquire_timeout(SOON).await });
+    // The multi lock took a and now waits for b.
+    assert!(
+        eventually(SOON, || async { is_held(&other, "a").await }).await,
+        "a was never taken"
+    );
+    let a_before = last_fence(&other, "a").await.expect("a's fence");
+    srv.pause();
+    within("b's holder told its lease is lost", held_b.lost()).await;
+    srv.resume();
+    // b ran out on the server during the pause: the multi lock gets it.
+    let held = within("the multi lock", waiting)
+        .await
+        .expect("task")
+        .expect("acquired");
+    assert!(
+        !held.is_lost(),
+        "the multi guard holds a lost lease: {:?}",
+        held.guards()
+            .iter()
+            .map(|g| (g.name().to_string(), g.is_lost()))
+            .collect::<Vec<_>>()
+    );
+    let a_token = held.guards()[0].fencing_token();
+    assert!(
+        a_token > a_before,
+        "a was not taken again: {a_token} after {a_before}"
+    );
+    held.release().await.expect("release");
+}

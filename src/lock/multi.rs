@@ -109,7 +109,9 @@ impl MultiLock {
     }
 
     /// Waits until every lock is held. The wait is limited by the smallest `wait_timeout`
-    /// of the locks' options, if any has one.
+    /// of the locks' options, if any has one. A lock taken early and lost while a later one
+    /// was waited for (its store paused past the lease's validity) is not handed out: all are
+    /// given back and taken again, within the same limit.
     ///
     /// # Errors
     ///
@@ -136,7 +138,7 @@ impl MultiLock {
     }
 
     /// One attempt at each lock, in order: `Ok(None)` (holding none) as soon as one is held
-    /// by someone else.
+    /// by someone else, or when a lock taken earlier was lost before the last was taken.
     ///
     /// # Errors
     ///
@@ -146,6 +148,12 @@ impl MultiLock {
         let mut held = Taken::default();
         for lock in &self.locks {
             match lock.try_acquire().await {
+                // A lock taken earlier lost in the meantime: not all of them are held.
+                Ok(Some(guard)) if held.any_lost() => {
+                    held.0.push(guard);
+                    held.give_back().await;
+                    return Ok(None);
+                }
                 Ok(Some(guard)) => held.0.push(guard),
                 Ok(None) => {
                     held.give_back().await;
@@ -160,28 +168,42 @@ impl MultiLock {
         Ok(Some(MultiGuard::new(std::mem::take(&mut held.0))))
     }
 
+    /// Takes every lock in order. A lock taken early may be lost while a later one is
+    /// waited for (its store paused or unreachable past its validity, the watchdog unable to
+    /// extend it): then everything is given back and taken again from the first, within the
+    /// same limit, so the guard returned never holds a lost lease.
     async fn take(&self, limit: Option<Duration>) -> Result<MultiGuard> {
         self.check()?;
         let deadline = limit.and_then(|d| Instant::now().checked_add(d));
         let mut held = Taken::default();
-        for lock in &self.locks {
-            let taken = match deadline {
-                Some(deadline) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    lock.acquire_timeout(left).await
+        'again: loop {
+            for lock in &self.locks {
+                let taken = match deadline {
+                    Some(deadline) => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        lock.acquire_timeout(left).await
+                    }
+                    // No lock has a wait limit of its own.
+                    None => lock.acquire().await,
+                };
+                match taken {
+                    Ok(guard) => held.0.push(guard),
+                    Err(e) => {
+                        held.give_back().await;
+                        return Err(e);
+                    }
                 }
-                // No lock has a wait limit of its own.
-                None => lock.acquire().await,
-            };
-            match taken {
-                Ok(guard) => held.0.push(guard),
-                Err(e) => {
+                if held.any_lost() {
+                    tracing::debug!(
+                        names = self.locks.len(),
+                        "a lock taken earlier was lost while a later one was waited for; taking all again"
+                    );
                     held.give_back().await;
-                    return Err(e);
+                    continue 'again;
                 }
             }
+            return Ok(MultiGuard::new(std::mem::take(&mut held.0)));
         }
-        Ok(MultiGuard::new(std::mem::take(&mut held.0)))
     }
 }
 
@@ -191,6 +213,11 @@ impl MultiLock {
 struct Taken(Vec<LockGuard>);
 
 impl Taken {
+    /// Whether a guard taken so far has been lost.
+    fn any_lost(&self) -> bool {
+        self.0.iter().any(LockGuard::is_lost)
+    }
+
     /// Releases the guards taken, all at once, before an acquire returns its failure.
     async fn give_back(&mut self) {
         let guards = std::mem::take(&mut self.0);
