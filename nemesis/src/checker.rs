@@ -43,6 +43,10 @@ pub struct Row {
     pub valid_overlaps: usize,
     /// Valid overlaps after a restart that lost data (the stated limit).
     pub after_data_loss: usize,
+    /// Valid overlaps after a server's wall clock jumped forward under the earlier lease
+    /// (on as many servers as the configuration's jump quorum): the stated limit of
+    /// clocks (the server expires keys by its wall clock).
+    pub after_clock_jump: usize,
     /// Raw (enter..exit) exclusive overlaps.
     pub raw_overlaps: usize,
     /// Raw overlaps whose earlier holder `lost()` had told.
@@ -86,6 +90,7 @@ impl Row {
         self.faults += o.faults;
         self.valid_overlaps += o.valid_overlaps;
         self.after_data_loss += o.after_data_loss;
+        self.after_clock_jump += o.after_clock_jump;
         self.raw_overlaps += o.raw_overlaps;
         self.raw_caught += o.raw_caught;
         self.lost += o.lost;
@@ -135,18 +140,19 @@ impl Report {
 }
 
 /// Header of [`Row`]'s `Display`.
-pub const HEADER: &str = "fault          sections   open faults valid-ovl after-loss raw-ovl (lost-told)  lost   doa permits>N rd+wr token-ord  fenced-acc fenced-rej fenced-err fence-ord";
+pub const HEADER: &str = "fault          sections   open faults valid-ovl after-loss after-clock raw-ovl (lost-told)  lost   doa permits>N rd+wr token-ord  fenced-acc fenced-rej fenced-err fence-ord";
 
 impl fmt::Display for Row {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:>10} {:>6} {:>6} {:>9} {:>10} {:>7} ({:>10}) {:>5} {:>5} {:>9} {:>5} {:>9}  {:>10} {:>10} {:>10} {:>9}",
+            "{:>10} {:>6} {:>6} {:>9} {:>10} {:>11} {:>7} ({:>10}) {:>5} {:>5} {:>9} {:>5} {:>9}  {:>10} {:>10} {:>10} {:>9}",
             self.sections,
             self.open,
             self.faults,
             self.valid_overlaps,
             self.after_data_loss,
+            self.after_clock_jump,
             self.raw_overlaps,
             self.raw_caught,
             self.lost,
@@ -215,25 +221,64 @@ pub fn check(records: &Records) -> Report {
     names.sort_by(|a, b| a.0.cmp(b.0));
     for (name, mut sections) in names {
         sections.sort_by_key(|s| (s.enter, s.id.clone()));
-        exclusive(name, &sections, faults, &mut report);
-        shared(name, &sections, faults, &mut report);
+        let excuse = Excuses {
+            faults,
+            jump_quorum: records.jump_quorum.unwrap_or(1),
+        };
+        exclusive(name, &sections, &excuse, &mut report);
+        shared(name, &sections, &excuse, &mut report);
         fence_order(name, &sections, faults, &mut report);
     }
     report
 }
 
-/// Whether a restart that lost data fell between `from` (when the earlier of two holds was
-/// asked for: it was granted after) and `to` (the later hold's enter): the earlier lease may
-/// have been wiped.
-fn after_loss(faults: &[FaultEvent], from: u64, to: u64) -> bool {
-    faults
-        .iter()
-        .any(|f| f.data_loss && from <= f.end && f.start <= to)
+/// The faults that excuse an overlap as a stated limit.
+struct Excuses<'a> {
+    faults: &'a [FaultEvent],
+    jump_quorum: usize,
+}
+
+/// Why an overlap is a stated limit, if it is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Excuse {
+    None,
+    DataLoss,
+    ClockJump,
+}
+
+impl Excuses<'_> {
+    /// Whether a restart that lost data fell between `from` (when the earlier of two holds
+    /// was asked for: it was granted after) and `to` (the later hold's enter): the earlier
+    /// lease may have been wiped. Else whether the wall clocks of `jump_quorum` distinct
+    /// servers jumped forward between them: the earlier lease may have expired early on
+    /// enough of them. A jump back is harmless to a lease (it lives longer), but its heal
+    /// is a jump forward, and counted so.
+    fn of(&self, from: u64, to: u64) -> Excuse {
+        if self
+            .faults
+            .iter()
+            .any(|f| f.data_loss && from <= f.end && f.start <= to)
+        {
+            return Excuse::DataLoss;
+        }
+        let jumped: BTreeSet<&str> = self
+            .faults
+            .iter()
+            .filter(|f| f.clock_forward.is_some_and(|t| from <= t && t <= to))
+            .map(|f| f.target.split(':').next().unwrap_or_default())
+            .collect();
+        if jumped.len() >= self.jump_quorum.max(1) {
+            Excuse::ClockJump
+        } else {
+            Excuse::None
+        }
+    }
 }
 
 /// Overlaps among the exclusive holds of one name (sorted by enter), valid and raw, and the
 /// tokens' order.
-fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut Report) {
+fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut Report) {
+    let faults = excuse.faults;
     let holds: Vec<&Section> = sections
         .iter()
         .copied()
@@ -289,17 +334,24 @@ fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &
     for &s in &valid {
         if let Some(a) = furthest {
             if s.enter < a.valid_until() {
-                let lossy = after_loss(faults, a.asked.min(s.asked), s.enter);
+                let why = excuse.of(a.asked.min(s.asked), s.enter);
                 let row = report
                     .rows
                     .entry(fault_of(faults, s.enter).into())
                     .or_default();
-                let what = if lossy {
-                    row.after_data_loss += 1;
-                    "valid overlap after a restart that lost data (stated limit)"
-                } else {
-                    row.valid_overlaps += 1;
-                    "VALID OVERLAP"
+                let what = match why {
+                    Excuse::DataLoss => {
+                        row.after_data_loss += 1;
+                        "valid overlap after a restart that lost data (stated limit)"
+                    }
+                    Excuse::ClockJump => {
+                        row.after_clock_jump += 1;
+                        "valid overlap after a clock jump (stated limit)"
+                    }
+                    Excuse::None => {
+                        row.valid_overlaps += 1;
+                        "VALID OVERLAP"
+                    }
                 };
                 report.evidence.push(format!(
                     "{what} on {name}:\n  {}\n  {}",
@@ -332,7 +384,8 @@ fn exclusive(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &
 }
 
 /// Permits over N and reads beside writes, by a sweep over the valid holds of one name.
-fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut Report) {
+fn shared(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut Report) {
+    let faults = excuse.faults;
     // (time, is_start, kind): ends sort before starts at one instant.
     let mut events: Vec<(u64, bool, Kind, &Section)> = Vec::new();
     for &s in sections {
@@ -360,19 +413,26 @@ fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut
         }
         active.insert((s.asked, s.id.as_str()));
         let oldest = active.first().map_or(s.asked, |a| a.0);
-        let lossy = after_loss(faults, oldest, s.enter);
+        let why = excuse.of(oldest, s.enter);
         if let Kind::Permit(n) = kind {
             if permits > n {
                 let row = report
                     .rows
                     .entry(fault_of(faults, s.enter).into())
                     .or_default();
-                let what = if lossy {
-                    row.after_data_loss += 1;
-                    "permits over N after a restart that lost data (stated limit)"
-                } else {
-                    row.permits_over += 1;
-                    "PERMITS OVER N"
+                let what = match why {
+                    Excuse::DataLoss => {
+                        row.after_data_loss += 1;
+                        "permits over N after a restart that lost data (stated limit)"
+                    }
+                    Excuse::ClockJump => {
+                        row.after_clock_jump += 1;
+                        "permits over N after a clock jump (stated limit)"
+                    }
+                    Excuse::None => {
+                        row.permits_over += 1;
+                        "PERMITS OVER N"
+                    }
                 };
                 report.evidence.push(format!(
                     "{what} on {name}: {permits} valid of {n} as this one entered:\n  {}",
@@ -385,12 +445,19 @@ fn shared(name: &str, sections: &[&Section], faults: &[FaultEvent], report: &mut
                 .rows
                 .entry(fault_of(faults, s.enter).into())
                 .or_default();
-            let what = if lossy {
-                row.after_data_loss += 1;
-                "read beside a write after a restart that lost data (stated limit)"
-            } else {
-                row.read_beside_write += 1;
-                "READ BESIDE WRITE"
+            let what = match why {
+                Excuse::DataLoss => {
+                    row.after_data_loss += 1;
+                    "read beside a write after a restart that lost data (stated limit)"
+                }
+                Excuse::ClockJump => {
+                    row.after_clock_jump += 1;
+                    "read beside a write after a clock jump (stated limit)"
+                }
+                Excuse::None => {
+                    row.read_beside_write += 1;
+                    "READ BESIDE WRITE"
+                }
             };
             report.evidence.push(format!(
                 "{what} on {name} ({reads} reads, {writes} writes) as this one entered:\n  {}",
@@ -477,12 +544,17 @@ mod tests {
         }
     }
 
-    fn run(sections: Vec<Section>, faults: Vec<FaultEvent>) -> Report {
-        check(&Records {
+    fn records(sections: Vec<Section>, faults: Vec<FaultEvent>) -> Records {
+        Records {
             sections,
             faults,
             bad_lines: 0,
-        })
+            jump_quorum: None,
+        }
+    }
+
+    fn run(sections: Vec<Section>, faults: Vec<FaultEvent>) -> Report {
+        check(&records(sections, faults))
     }
 
     #[test]
@@ -560,6 +632,7 @@ mod tests {
             start: 12,
             end: 14,
             data_loss: true,
+            clock_forward: None,
         }];
         let r = run(
             vec![
@@ -574,6 +647,46 @@ mod tests {
         assert_eq!(r.rows["kill"].after_data_loss, 1);
     }
 
+    fn jump(target: &str, start: u64, end: u64, forward: u64) -> FaultEvent {
+        FaultEvent {
+            kind: "clock".into(),
+            target: target.into(),
+            start,
+            end,
+            data_loss: false,
+            clock_forward: Some(forward),
+        }
+    }
+
+    #[test]
+    fn overlap_after_a_clock_jump_is_counted_apart_on_a_quorum_of_servers() {
+        let holds = || {
+            vec![
+                sec("a", Kind::Plain, "n", 1, 10, 30, 50),
+                sec("b", Kind::Plain, "n", 2, 20, 40, 60),
+            ]
+        };
+        // One server (quorum 1): a jump forward under the earlier lease excuses it.
+        let r = run(holds(), vec![jump("server0", 12, 14, 12)]);
+        let t = r.total();
+        assert_eq!((t.valid_overlaps, t.after_clock_jump), (0, 1));
+        assert!(!r.violated());
+        // A jump back healed (forward) after the later hold entered excuses nothing.
+        let r = run(holds(), vec![jump("server0", 12, 25, 25)]);
+        assert_eq!(r.total().valid_overlaps, 1);
+        // Redlock (quorum 2): one server's jump is not enough; two servers' are.
+        let mut recs = records(holds(), vec![jump("server1", 12, 14, 12)]);
+        recs.jump_quorum = Some(2);
+        assert_eq!(check(&recs).total().valid_overlaps, 1);
+        let mut recs = records(
+            holds(),
+            vec![jump("server1", 11, 12, 11), jump("server3", 13, 16, 16)],
+        );
+        recs.jump_quorum = Some(2);
+        let t = check(&recs).total();
+        assert_eq!((t.valid_overlaps, t.after_clock_jump), (0, 1));
+    }
+
     #[test]
     fn multi_granted_before_a_data_loss_and_entered_late() {
         // The multi lock took "n" at 5 (token 1), waited for its next name across a restart
@@ -585,6 +698,7 @@ mod tests {
             start: 12,
             end: 14,
             data_loss: true,
+            clock_forward: None,
         }];
         let mut m = sec("m", Kind::Multi, "n", 1, 21, 30, 50);
         m.asked = 5;
@@ -643,6 +757,7 @@ mod tests {
             start: 12,
             end: 14,
             data_loss: true,
+            clock_forward: None,
         }];
         let r = run(
             vec![

@@ -41,8 +41,8 @@ enum Mode {
         /// The seed (default: random, printed).
         #[arg(long)]
         seed: Option<u64>,
-        /// Faults, comma-separated: kill, pause, client-pause, client-kill, starve (empty:
-        /// none).
+        /// Faults, comma-separated: kill, pause, client-pause, client-kill, starve, clock,
+        /// delay (empty: none; clock and delay not on cluster).
         #[arg(
             long,
             value_delimiter = ',',

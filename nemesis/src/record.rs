@@ -14,7 +14,10 @@
 //!
 //! `<write>` is `-` (none), `A:<start>:<end>` (accepted), `R:<start>:<end>:<newest>`
 //! (rejected: a newer token had written) or `E` (the write failed). The harness's fault log
-//! uses `F <kind> <target> <start> <end> <data_loss 0|1>`.
+//! uses `F <kind> <target> <start> <end> <data_loss 0|1> <forward jump|->` (the instant a
+//! server's wall clock jumped forward, for a clock fault) and `Q <n>`: how many servers'
+//! clocks must jump forward under one lease before the configuration no longer promises
+//! it (1 for one server, 2 for Redlock over 5, whose holder normally has 4 or 5 nodes).
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Write};
@@ -228,14 +231,23 @@ pub struct FaultEvent {
     pub end: u64,
     /// Whether it may have lost acknowledged writes (a kill without `appendfsync always`).
     pub data_loss: bool,
+    /// When the target server's wall clock jumped forward (a clock fault's injection when
+    /// it set the clock ahead, its heal when it had set it behind): the leases on that
+    /// server ended early by the jump.
+    pub clock_forward: Option<u64>,
 }
 
 impl FaultEvent {
     /// Its line in the fault log.
     pub fn line(&self) -> String {
         format!(
-            "F {} {} {} {} {}\n",
-            self.kind, self.target, self.start, self.end, self.data_loss as u8
+            "F {} {} {} {} {} {}\n",
+            self.kind,
+            self.target,
+            self.start,
+            self.end,
+            self.data_loss as u8,
+            self.clock_forward.map_or("-".into(), |t| t.to_string())
         )
     }
 }
@@ -269,6 +281,9 @@ pub struct Records {
     pub faults: Vec<FaultEvent>,
     /// Lines that did not parse (a line cut by a kill).
     pub bad_lines: usize,
+    /// Servers whose clocks must jump forward under one lease for it to be lost (the `Q`
+    /// line; 1 if none).
+    pub jump_quorum: Option<usize>,
 }
 
 impl Records {
@@ -329,13 +344,20 @@ impl Records {
                     _ => return None,
                 };
             }
-            ["F", kind, target, start, end, loss] => self.faults.push(FaultEvent {
-                kind: kind.to_string(),
-                target: target.to_string(),
-                start: start.parse().ok()?,
-                end: end.parse().ok()?,
-                data_loss: *loss == "1",
-            }),
+            ["F", kind, target, start, end, loss, rest @ ..] if rest.len() <= 1 => {
+                self.faults.push(FaultEvent {
+                    kind: kind.to_string(),
+                    target: target.to_string(),
+                    start: start.parse().ok()?,
+                    end: end.parse().ok()?,
+                    data_loss: *loss == "1",
+                    clock_forward: match rest.first() {
+                        Some(t) => parse_opt(t)?,
+                        None => None,
+                    },
+                })
+            }
+            ["Q", n] => self.jump_quorum = Some(n.parse().ok()?),
             _ => return None,
         }
         Some(())

@@ -11,7 +11,10 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use std::net::SocketAddr;
+
 use crate::checker::{check, Report};
+use crate::faults::{ClockOffset, ClockShim, DelayProxy};
 use crate::record::{mono_ns, Records};
 use crate::schedule::{Fault, Nemesis};
 use crate::topology::{Config, Launch, Topology};
@@ -43,7 +46,63 @@ pub struct RunSpec {
 /// Runs `spec`; the checker's report, and the record directory.
 pub fn run(spec: &RunSpec) -> Report {
     fs::create_dir_all(&spec.dir).expect("nemesis: cannot create the record directory");
-    let mut topo = Topology::start(spec.config, &|_| spec.launch.clone());
+    let clocked = spec.faults.contains(&Fault::ClockShift);
+    let proxied = spec.faults.contains(&Fault::Delay);
+    assert!(
+        spec.config != Config::Cluster || !(clocked || proxied),
+        "nemesis: clock and delay faults are wired for single, single-aof and redlock5 only \
+         (a cluster's clients follow its nodes' own addresses, past any proxy)"
+    );
+    let count = if spec.config == Config::Redlock5 { 5 } else { 1 };
+    let clocks: Vec<ClockOffset> = if clocked {
+        let dir = spec.dir.join("clock");
+        let shim = ClockShim::build(&dir).expect("nemesis: cannot build the clock shim");
+        (0..count)
+            .map(|i| {
+                shim.offset(&dir, &format!("server{i}"))
+                    .expect("nemesis: cannot create a clock offset")
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut topo = Topology::start(spec.config, &|i| {
+        let mut l = spec.launch.clone();
+        if let Some(c) = clocks.get(i) {
+            l.env.extend(c.env());
+        }
+        l
+    });
+    // The proxies' tasks run on a runtime of their own, alive until the workers are done.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("nemesis: cannot build the proxies' runtime");
+    let proxies: Vec<DelayProxy> = if proxied {
+        let _in = runtime.enter();
+        topo.urls()
+            .iter()
+            .map(|url| {
+                let addr: SocketAddr = url
+                    .trim_start_matches("redis://")
+                    .parse()
+                    .expect("nemesis: a server's URL is not HOST:PORT");
+                DelayProxy::start(SocketAddr::from(([127, 0, 0, 1], 0)), addr)
+                    .expect("nemesis: cannot start a proxy")
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let urls = if proxied {
+        proxies
+            .iter()
+            .map(|p| format!("redis://{}", p.addr()))
+            .collect()
+    } else {
+        topo.urls()
+    };
     if spec.config == Config::Redlock5 {
         // A fresh Redlock node counts toward no majority for its first quarantine.
         std::thread::sleep(REDLOCK_MAX_LEASE);
@@ -56,7 +115,7 @@ pub fn run(spec: &RunSpec) -> Report {
             let cfg = WorkerConfig {
                 id,
                 seed: spec.seed,
-                urls: topo.urls(),
+                urls: urls.clone(),
                 redlock: spec.config == Config::Redlock5,
                 fence_url: topo.fence.url(),
                 out: spec.dir.join(format!("worker{id}.rec")),
@@ -74,8 +133,15 @@ pub fn run(spec: &RunSpec) -> Report {
         .collect();
     let pids: Vec<u32> = workers.iter().map(Child::id).collect();
     let mut nemesis = Nemesis::new(spec.seed, spec.faults.clone(), pids.clone());
+    nemesis.clocks = clocks;
+    nemesis.proxies = proxies;
     let mut log = fs::File::create(spec.dir.join("faults.rec"))
         .expect("nemesis: cannot create the fault log");
+    // Redlock's holder normally has 4 or 5 of its 5 nodes: one node's clock jumping ahead
+    // leaves it a majority; two may not.
+    let quorum = if spec.config == Config::Redlock5 { 2 } else { 1 };
+    log.write_all(format!("Q {quorum}\n").as_bytes())
+        .expect("nemesis: cannot write the fault log");
     loop {
         let gap = nemesis.gap();
         if mono_ns() + u64::try_from(gap.as_nanos()).unwrap_or(0) >= until_ns {

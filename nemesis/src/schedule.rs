@@ -15,6 +15,7 @@ use nix::unistd::Pid;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::faults::{ClockOffset, DelayProxy};
 use crate::record::{mono_ns, FaultEvent};
 use crate::topology::Topology;
 
@@ -32,23 +33,29 @@ pub enum Fault {
     ClientKill,
     /// Busy loops (4 threads on this 2-core machine) for 1–3 s: the workers starve.
     Starve,
-    /// A store server's wall clock shifted (needs `crate::faults`' clock shim; not wired).
+    /// A store server's wall clock shifted for 0.5–3 s, then set right (the clock shim of
+    /// `crate::faults`): ahead by 50–250 ms (less than any TTL), ahead by 1–30 s (more than
+    /// any TTL), or behind by 0.5–30 s (whose heal is a jump forward).
     ClockShift,
     /// A partition between a worker and a server (needs `crate::faults`' namespaces; not
     /// wired).
     Partition,
-    /// Delays and drops through a proxy (needs `crate::faults`' proxy; not wired).
+    /// Through the proxy between the workers and a store server (`crate::faults`'
+    /// `DelayProxy`): a delay of 10–500 ms for 0.5–3 s, a stall of 0.5–3 s, or every proxied
+    /// connection reset.
     Delay,
 }
 
 impl Fault {
     /// The faults this harness injects today.
-    pub const WIRED: [Fault; 5] = [
+    pub const WIRED: [Fault; 7] = [
         Fault::Kill,
         Fault::Pause,
         Fault::ClientPause,
         Fault::ClientKill,
         Fault::Starve,
+        Fault::ClockShift,
+        Fault::Delay,
     ];
 
     const NAMES: [(Fault, &'static str); 8] = [
@@ -97,6 +104,10 @@ pub struct Nemesis {
     faults: Vec<Fault>,
     /// The worker processes' ids (targets of client pauses).
     pub workers: Vec<u32>,
+    /// Each store server's clock offset (empty unless clock faults were asked for).
+    pub clocks: Vec<ClockOffset>,
+    /// The proxy in front of each store server (empty unless delays were asked for).
+    pub proxies: Vec<DelayProxy>,
 }
 
 impl Nemesis {
@@ -106,6 +117,8 @@ impl Nemesis {
             rng: StdRng::seed_from_u64(seed ^ 0x6e656d65),
             faults,
             workers,
+            clocks: Vec::new(),
+            proxies: Vec::new(),
         }
     }
 
@@ -125,6 +138,8 @@ impl Nemesis {
         let ms = |rng: &mut StdRng, a: u64, b: u64| Duration::from_millis(rng.random_range(a..b));
         let start = mono_ns();
         let mut data_loss = false;
+        let mut clock_forward = None;
+        let mut kind = fault.to_string();
         let target = match fault {
             Fault::Kill => {
                 let down = ms(&mut self.rng, 0, 500);
@@ -165,16 +180,72 @@ impl Nemesis {
                 starve(4, d);
                 "workers".to_string()
             }
-            Fault::ClockShift | Fault::Partition | Fault::Delay => {
-                unreachable!("refused by Fault::from_str")
+            Fault::ClockShift => {
+                let clock = self
+                    .clocks
+                    .get(server)
+                    .expect("nemesis: a clock fault without the servers' clock offsets");
+                let jump: i64 = match self.rng.random_range(0..3) {
+                    0 => self.rng.random_range(50..250),
+                    1 => self.rng.random_range(1_000..30_000),
+                    _ => -self.rng.random_range(500..30_000),
+                };
+                let d = ms(&mut self.rng, 500, 3000);
+                kind = match jump {
+                    j if j < 0 => "clock-back",
+                    j if j < 300 => "clock<ttl",
+                    _ => "clock>ttl",
+                }
+                .to_string();
+                clock.set(jump).expect("nemesis: cannot set a clock offset");
+                if jump > 0 {
+                    clock_forward = Some(mono_ns());
+                }
+                std::thread::sleep(d);
+                clock.set(0).expect("nemesis: cannot set a clock offset");
+                if jump < 0 {
+                    clock_forward = Some(mono_ns());
+                }
+                format!("server{server}:{jump:+}ms")
             }
+            Fault::Delay => {
+                let proxy = self
+                    .proxies
+                    .get(server)
+                    .expect("nemesis: a delay fault without the servers' proxies");
+                match self.rng.random_range(0..3) {
+                    0 => {
+                        let delay = ms(&mut self.rng, 10, 500);
+                        let d = ms(&mut self.rng, 500, 3000);
+                        proxy.set_delay(delay);
+                        std::thread::sleep(d);
+                        proxy.set_delay(Duration::ZERO);
+                        format!("server{server}:{}ms", delay.as_millis())
+                    }
+                    1 => {
+                        let d = ms(&mut self.rng, 500, 3000);
+                        kind = "stall".into();
+                        proxy.set_stall(true);
+                        std::thread::sleep(d);
+                        proxy.set_stall(false);
+                        format!("server{server}:{}ms", d.as_millis())
+                    }
+                    _ => {
+                        kind = "conn-reset".into();
+                        proxy.kill_connections();
+                        format!("server{server}")
+                    }
+                }
+            }
+            Fault::Partition => unreachable!("refused by Fault::from_str"),
         };
         Some(FaultEvent {
-            kind: fault.to_string(),
+            kind,
             target,
             start,
             end: mono_ns(),
             data_loss,
+            clock_forward,
         })
     }
 }
