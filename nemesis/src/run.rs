@@ -53,7 +53,11 @@ pub fn run(spec: &RunSpec) -> Report {
         "nemesis: clock and delay faults are wired for single, single-aof and redlock5 only \
          (a cluster's clients follow its nodes' own addresses, past any proxy)"
     );
-    let count = if spec.config == Config::Redlock5 { 5 } else { 1 };
+    let count = if spec.config == Config::Redlock5 {
+        5
+    } else {
+        1
+    };
     let clocks: Vec<ClockOffset> = if clocked {
         let dir = spec.dir.join("clock");
         let shim = ClockShim::build(&dir).expect("nemesis: cannot build the clock shim");
@@ -139,7 +143,11 @@ pub fn run(spec: &RunSpec) -> Report {
         .expect("nemesis: cannot create the fault log");
     // Redlock's holder normally has 4 or 5 of its 5 nodes: one node's clock jumping ahead
     // leaves it a majority; two may not.
-    let quorum = if spec.config == Config::Redlock5 { 2 } else { 1 };
+    let quorum = if spec.config == Config::Redlock5 {
+        2
+    } else {
+        1
+    };
     log.write_all(format!("Q {quorum}\n").as_bytes())
         .expect("nemesis: cannot write the fault log");
     loop {
