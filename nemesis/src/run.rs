@@ -14,7 +14,8 @@ use nix::unistd::Pid;
 use std::net::SocketAddr;
 
 use crate::checker::{check, Report};
-use crate::faults::{ClockOffset, ClockShim, DelayProxy};
+use crate::faults::net::CONTROL;
+use crate::faults::{ClockOffset, ClockShim, DelayProxy, Net};
 use crate::record::{mono_ns, Records};
 use crate::schedule::{Fault, Nemesis};
 use crate::topology::{Config, Launch, Topology};
@@ -47,11 +48,12 @@ pub struct RunSpec {
 pub fn run(spec: &RunSpec) -> Report {
     fs::create_dir_all(&spec.dir).expect("nemesis: cannot create the record directory");
     let clocked = spec.faults.contains(&Fault::ClockShift);
-    let proxied = spec.faults.contains(&Fault::Delay);
+    let parted = spec.faults.contains(&Fault::Partition);
+    let proxied = parted || spec.faults.contains(&Fault::Delay);
     assert!(
         spec.config != Config::Cluster || !(clocked || proxied),
-        "nemesis: clock and delay faults are wired for single, single-aof and redlock5 only \
-         (a cluster's clients follow its nodes' own addresses, past any proxy)"
+        "nemesis: clock, delay and partition faults are wired for single, single-aof and \
+         redlock5 only (a cluster's clients follow its nodes' own addresses, past any proxy)"
     );
     let count = if spec.config == Config::Redlock5 {
         5
@@ -70,10 +72,27 @@ pub fn run(spec: &RunSpec) -> Report {
     } else {
         Vec::new()
     };
+    // With partitions: server i in host s<i>, worker w's connections made from host w<w>.
+    let net = parted.then(|| {
+        let hosts: Vec<String> = (0..count)
+            .map(|i| format!("s{i}"))
+            .chain((0..spec.workers).map(|w| format!("w{w}")))
+            .collect();
+        let hosts: Vec<&str> = hosts.iter().map(String::as_str).collect();
+        Net::new("nem26", &hosts).expect("nemesis: cannot make the network namespaces")
+    });
     let mut topo = Topology::start(spec.config, &|i| {
         let mut l = spec.launch.clone();
         if let Some(c) = clocks.get(i) {
             l.env.extend(c.env());
+        }
+        if let Some(net) = &net {
+            let host = format!("s{i}");
+            let mut prefix = net.exec_prefix(&host);
+            prefix.append(&mut l.prefix);
+            l.prefix = prefix;
+            l.bind = Some(net.addr(&host).to_string());
+            l.control_ns = Some(net.ns(CONTROL).to_string());
         }
         l
     });
@@ -83,7 +102,11 @@ pub fn run(spec: &RunSpec) -> Report {
         .enable_all()
         .build()
         .expect("nemesis: cannot build the proxies' runtime");
-    let proxies: Vec<DelayProxy> = if proxied {
+    // proxies[i][g]: in front of server i for the workers of group g (each worker its own
+    // group with partitions, one group without).
+    let groups = if parted { spec.workers } else { 1 };
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let proxies: Vec<Vec<DelayProxy>> = if proxied {
         let _in = runtime.enter();
         topo.urls()
             .iter()
@@ -92,20 +115,32 @@ pub fn run(spec: &RunSpec) -> Report {
                     .trim_start_matches("redis://")
                     .parse()
                     .expect("nemesis: a server's URL is not HOST:PORT");
-                DelayProxy::start(SocketAddr::from(([127, 0, 0, 1], 0)), addr)
+                (0..groups)
+                    .map(|g| match &net {
+                        Some(net) => {
+                            let from = net
+                                .connector(&format!("w{g}"), addr, Duration::from_secs(2))
+                                .expect("nemesis: no such host");
+                            DelayProxy::start_with(loopback, from)
+                        }
+                        None => DelayProxy::start(loopback, addr),
+                    })
+                    .collect::<std::io::Result<Vec<_>>>()
                     .expect("nemesis: cannot start a proxy")
             })
             .collect()
     } else {
         Vec::new()
     };
-    let urls = if proxied {
-        proxies
-            .iter()
-            .map(|p| format!("redis://{}", p.addr()))
-            .collect()
-    } else {
-        topo.urls()
+    let urls = |w: usize| -> Vec<String> {
+        if proxied {
+            proxies
+                .iter()
+                .map(|p| format!("redis://{}", p[w % groups].addr()))
+                .collect()
+        } else {
+            topo.urls()
+        }
     };
     if spec.config == Config::Redlock5 {
         // A fresh Redlock node counts toward no majority for its first quarantine.
@@ -119,7 +154,7 @@ pub fn run(spec: &RunSpec) -> Report {
             let cfg = WorkerConfig {
                 id,
                 seed: spec.seed,
-                urls: urls.clone(),
+                urls: urls(id),
                 redlock: spec.config == Config::Redlock5,
                 fence_url: topo.fence.url(),
                 out: spec.dir.join(format!("worker{id}.rec")),
@@ -139,6 +174,7 @@ pub fn run(spec: &RunSpec) -> Report {
     let mut nemesis = Nemesis::new(spec.seed, spec.faults.clone(), pids.clone());
     nemesis.clocks = clocks;
     nemesis.proxies = proxies;
+    nemesis.net = net;
     let mut log = fs::File::create(spec.dir.join("faults.rec"))
         .expect("nemesis: cannot create the fault log");
     // Redlock's holder normally has 4 or 5 of its 5 nodes: one node's clock jumping ahead
@@ -182,6 +218,13 @@ pub fn run(spec: &RunSpec) -> Report {
             eprintln!("worker{id} exited with {status}: {last}");
         }
     }
+    // The servers stop before their namespaces go (a process in a deleted namespace lives
+    // on), and the proxies before their runtime.
+    let net = nemesis.net.take();
+    drop(nemesis);
+    drop(topo);
+    drop(net);
+    drop(runtime);
     let mut records = Records::default();
     for entry in fs::read_dir(&spec.dir).expect("nemesis: cannot list the records") {
         let path = entry.expect("nemesis: cannot list the records").path();

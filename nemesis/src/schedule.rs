@@ -15,7 +15,7 @@ use nix::unistd::Pid;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::faults::{ClockOffset, DelayProxy};
+use crate::faults::{ClockOffset, DelayProxy, Net};
 use crate::record::{mono_ns, FaultEvent};
 use crate::topology::Topology;
 
@@ -37,8 +37,9 @@ pub enum Fault {
     /// `crate::faults`): ahead by 50–250 ms (less than any TTL), ahead by 1–30 s (more than
     /// any TTL), or behind by 0.5–30 s (whose heal is a jump forward).
     ClockShift,
-    /// A partition between a worker and a server (needs `crate::faults`' namespaces; not
-    /// wired).
+    /// A worker's host cut from a store server's host (`crate::faults`' `Net`: the servers
+    /// in network namespaces, each worker's connections made from a host of its own), or,
+    /// on Redlock, from three of the five, for 0.5–5 s, then healed.
     Partition,
     /// Through the proxy between the workers and a store server (`crate::faults`'
     /// `DelayProxy`): a delay of 10–500 ms for 0.5–3 s, a stall of 0.5–3 s, or every proxied
@@ -48,7 +49,7 @@ pub enum Fault {
 
 impl Fault {
     /// The faults this harness injects today.
-    pub const WIRED: [Fault; 7] = [
+    pub const WIRED: [Fault; 8] = [
         Fault::Kill,
         Fault::Pause,
         Fault::ClientPause,
@@ -56,6 +57,7 @@ impl Fault {
         Fault::Starve,
         Fault::ClockShift,
         Fault::Delay,
+        Fault::Partition,
     ];
 
     const NAMES: [(Fault, &'static str); 8] = [
@@ -106,8 +108,12 @@ pub struct Nemesis {
     pub workers: Vec<u32>,
     /// Each store server's clock offset (empty unless clock faults were asked for).
     pub clocks: Vec<ClockOffset>,
-    /// The proxy in front of each store server (empty unless delays were asked for).
-    pub proxies: Vec<DelayProxy>,
+    /// The proxies in front of each store server (one per worker with partitions, one for
+    /// all without; empty unless delays or partitions were asked for).
+    pub proxies: Vec<Vec<DelayProxy>>,
+    /// The hosts of the servers (`s0`, ...) and of the workers' connections (`w0`, ...),
+    /// with partitions.
+    pub net: Option<Net>,
 }
 
 impl Nemesis {
@@ -119,6 +125,7 @@ impl Nemesis {
             workers,
             clocks: Vec::new(),
             proxies: Vec::new(),
+            net: None,
         }
     }
 
@@ -209,7 +216,7 @@ impl Nemesis {
                 format!("server{server}:{jump:+}ms")
             }
             Fault::Delay => {
-                let proxy = self
+                let proxies = self
                     .proxies
                     .get(server)
                     .expect("nemesis: a delay fault without the servers' proxies");
@@ -217,27 +224,50 @@ impl Nemesis {
                     0 => {
                         let delay = ms(&mut self.rng, 10, 500);
                         let d = ms(&mut self.rng, 500, 3000);
-                        proxy.set_delay(delay);
+                        proxies.iter().for_each(|p| p.set_delay(delay));
                         std::thread::sleep(d);
-                        proxy.set_delay(Duration::ZERO);
+                        proxies.iter().for_each(|p| p.set_delay(Duration::ZERO));
                         format!("server{server}:{}ms", delay.as_millis())
                     }
                     1 => {
                         let d = ms(&mut self.rng, 500, 3000);
                         kind = "stall".into();
-                        proxy.set_stall(true);
+                        proxies.iter().for_each(|p| p.set_stall(true));
                         std::thread::sleep(d);
-                        proxy.set_stall(false);
+                        proxies.iter().for_each(|p| p.set_stall(false));
                         format!("server{server}:{}ms", d.as_millis())
                     }
                     _ => {
                         kind = "conn-reset".into();
-                        proxy.kill_connections();
+                        proxies.iter().for_each(DelayProxy::kill_connections);
                         format!("server{server}")
                     }
                 }
             }
-            Fault::Partition => unreachable!("refused by Fault::from_str"),
+            Fault::Partition => {
+                let net = self
+                    .net
+                    .as_ref()
+                    .expect("nemesis: a partition without the servers' network");
+                let w = self.rng.random_range(0..self.workers.len());
+                let n = topo.servers.len();
+                // On Redlock, half the time a majority of the nodes.
+                let cut: Vec<usize> = if n > 1 && self.rng.random_bool(0.5) {
+                    (0..n / 2 + 1).map(|k| (server + k) % n).collect()
+                } else {
+                    vec![server]
+                };
+                let d = ms(&mut self.rng, 500, 5000);
+                let host = format!("w{w}");
+                for &i in &cut {
+                    net.cut(&host, &format!("s{i}"))
+                        .expect("nemesis: cannot cut a host from a server");
+                }
+                std::thread::sleep(d);
+                net.heal_all().expect("nemesis: cannot heal a partition");
+                let names: Vec<String> = cut.iter().map(|i| format!("server{i}")).collect();
+                format!("worker{w}|{}:{}ms", names.join("+"), d.as_millis())
+            }
         };
         Some(FaultEvent {
             kind,

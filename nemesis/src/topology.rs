@@ -95,6 +95,9 @@ pub struct Launch {
     pub prefix: Vec<String>,
     /// The address to bind and to reach the server at, instead of 127.0.0.1.
     pub bind: Option<String>,
+    /// The network namespace the harness reaches the server from (a `Net`'s hub, for a
+    /// server in a host of that `Net`), instead of its own.
+    pub control_ns: Option<String>,
 }
 
 impl Launch {
@@ -227,7 +230,15 @@ impl LaunchedServer {
 
     /// Sends one inline command on a fresh connection; the first reply line.
     fn command(&self, cmd: &str) -> std::io::Result<String> {
-        let mut c = TcpStream::connect((self.host.as_str(), self.port))?;
+        let addr: std::net::SocketAddr = format!("{}:{}", self.host, self.port)
+            .parse()
+            .map_err(std::io::Error::other)?;
+        let mut c = match &self.launch.control_ns {
+            Some(ns) => crate::faults::net::within(ns, move || {
+                TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            })?,
+            None => TcpStream::connect(addr)?,
+        };
         c.set_read_timeout(Some(Duration::from_secs(2)))?;
         c.write_all(format!("{cmd}\r\n").as_bytes())?;
         let mut line = String::new();

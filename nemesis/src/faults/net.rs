@@ -333,7 +333,7 @@ impl Drop for Net {
 }
 
 /// Runs `f` on a new thread inside the namespace `ns`.
-fn within<T, F>(ns: &str, f: F) -> io::Result<T>
+pub(crate) fn within<T, F>(ns: &str, f: F) -> io::Result<T>
 where
     T: Send + 'static,
     F: FnOnce() -> io::Result<T> + Send + 'static,
