@@ -177,13 +177,11 @@ pub fn run(spec: &RunSpec) -> Report {
     nemesis.net = net;
     let mut log = fs::File::create(spec.dir.join("faults.rec"))
         .expect("nemesis: cannot create the fault log");
-    // Redlock's holder normally has 4 or 5 of its 5 nodes: one node's clock jumping ahead
-    // leaves it a majority; two may not.
-    let quorum = if spec.config == Config::Redlock5 {
-        2
-    } else {
-        1
-    };
+    // One server's clock jumping ahead is enough to end a lease early, on Redlock too: a
+    // holder that won a bare majority (3 of 5, under contention) loses it when one of its
+    // nodes jumps, and a second client's majority can include that node (the Kleppmann
+    // case; README, "What Redlock does not promise"). So one jump excuses an overlap.
+    let quorum = 1;
     log.write_all(format!("Q {quorum}\n").as_bytes())
         .expect("nemesis: cannot write the fault log");
     loop {
