@@ -243,6 +243,22 @@ local function end_lease(key, w, q, now_ms, released, s, n)
   end
 end
 
+-- Runs `args`, an HSET of fields of `key`'s record, with the send number `n` as its `n`
+-- (nil: left as it is; see "Send order") and the record's new hour `at` as its `x` (nil:
+-- unchanged; see renewal), then sets that hour.
+local function write(key, args, n, at)
+  if n then
+    args[#args + 1] = 'n'
+    args[#args + 1] = n
+  end
+  if at then
+    args[#args + 1] = 'x'
+    args[#args + 1] = int(at)
+  end
+  redis.call(unpack(args))
+  expire_at(key, at)
+end
+
 -- Grants the lock at `key` to `token` for `ttl` ms from `now_ms`, over a record read as `t`,
 -- `e`, `f`, `x` (nil when there was none), and returns the fencing token: at least the last
 -- + 1, at least the server's clock in µs (`clock_us`: so a restarted server without
@@ -266,16 +282,7 @@ local function grant(key, token, ttl, label, floor, t, e, f, x, now_ms, clock_us
     args[#args + 1] = 'm'
     args[#args + 1] = n_seen or '0'
   end
-  if n then
-    args[#args + 1] = 'n'
-    args[#args + 1] = n
-  end
-  if at then
-    args[#args + 1] = 'x'
-    args[#args + 1] = int(at)
-  end
-  redis.call(unpack(args))
-  expire_at(key, at)
+  write(key, args, n, at)
   return fence
 end
 
@@ -316,17 +323,8 @@ local function arrive(key, token, ttl, now_ms, n)
   if holder == token then
     local until_ms = now_ms + ttl
     local at = renewal(seen[4], until_ms)
-    local args = {'HSET', key, 'e', int(until_ms)}
-    if (num(seen[8]) or 0) < sent then
-      args[#args + 1] = 'n'
-      args[#args + 1] = n
-    end
-    if at then
-      args[#args + 1] = 'x'
-      args[#args + 1] = int(at)
-    end
-    redis.call(unpack(args))
-    expire_at(key, at)
+    local raised = (num(seen[8]) or 0) < sent and n or nil
+    write(key, {'HSET', key, 'e', int(until_ms)}, raised, at)
     return 1, num(seen[3]) or 0
   end
   local left = holder and tonumber(seen[2]) - now_ms or -2
