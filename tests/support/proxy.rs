@@ -98,21 +98,7 @@ impl Proxy {
 
     /// Waits until a write is held (at most `timeout`); whether one is.
     pub fn wait_held(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut gate = self.shared.gate();
-        while gate.held == 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            gate = self
-                .shared
-                .changed
-                .wait_timeout(gate, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        true
+        self.wait_gate(timeout, |gate| gate.held > 0)
     }
 
     /// Lets the held writes through, and holds nothing more.
