@@ -17,10 +17,14 @@
 //! It also reports *raw* overlaps (enter to exit, whatever the lease said: a holder paused
 //! past its TTL resumes and runs on) and how many of those `lost()` had told the holder of.
 //!
-//! A valid overlap (or permits over N, or a read beside a write) whose earlier hold's lease may have been wiped by a server restart that
-//! lost data (a kill without persistence, or the last second of an `appendfsync everysec`
-//! AOF) is counted apart, as *after data loss*: the README states that limit ("another client
-//! may take those locks from the moment the server is back: fence").
+//! A valid overlap (or permits over N, or a read beside a write) whose earlier hold's lease
+//! may have been wiped by a server restart that lost data (a kill without persistence, the
+//! last second of an `appendfsync everysec` AOF, a failover without `ReplicaAck`) is counted
+//! apart, as *after data loss*: the README states that limit ("another client may take
+//! those locks from the moment the server is back: fence"). One after a server's wall clock
+//! jumped forward under the earlier lease is counted apart as *after a clock jump*, and so is
+//! a token lower than an earlier hold's after a clock that ran ahead and then a restart that
+//! lost data (the README's exception to "tokens never go backwards").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -45,7 +49,8 @@ pub struct Row {
     pub after_data_loss: usize,
     /// Valid overlaps after a server's wall clock jumped forward under the earlier lease
     /// (on as many servers as the configuration's jump quorum): the stated limit of
-    /// clocks (the server expires keys by its wall clock).
+    /// clocks (the server expires keys by its wall clock). Also tokens lower than an
+    /// earlier hold's after a clock that ran ahead and a restart that lost data.
     pub after_clock_jump: usize,
     /// Raw (enter..exit) exclusive overlaps.
     pub raw_overlaps: usize,
@@ -275,6 +280,38 @@ impl Excuses<'_> {
     }
 }
 
+impl Excuses<'_> {
+    /// Whether hold `s`'s token, not above the earlier hold `a`'s, is the stated limit of a
+    /// clock that ran ahead and a restart that lost data: a server's wall clock was set
+    /// ahead by J ms before `a` entered (the fencing counter then counts from that clock's
+    /// µs), and between `a`'s ask and `s`'s enter that server restarted without its data
+    /// less than J after the clock was set right, so the counter started again from a clock
+    /// floor below the tokens already issued.
+    fn lower_token(&self, a: &Section, s: &Section) -> bool {
+        let server = |f: &FaultEvent| f.target.split(':').next().unwrap_or_default().to_string();
+        self.faults
+            .iter()
+            .filter(|l| l.data_loss && a.asked <= l.end && l.start <= s.enter)
+            .any(|l| {
+                self.faults.iter().any(|c| {
+                    ahead_ms(c).is_some_and(|j| {
+                        server(c) == server(l)
+                            && c.start < a.enter
+                            && c.start <= l.start
+                            && l.start <= c.end.saturating_add(j.saturating_mul(1_000_000))
+                    })
+                })
+            })
+    }
+}
+
+/// How far ahead a clock fault set its server's clock, ms (`server2:+5300ms`); `None` for
+/// any other fault and for a clock set behind.
+fn ahead_ms(f: &FaultEvent) -> Option<u64> {
+    let jump = f.target.split_once(':')?.1.strip_suffix("ms")?;
+    jump.strip_prefix('+')?.parse().ok()
+}
+
 /// Overlaps among the exclusive holds of one name (sorted by enter), valid and raw, and the
 /// tokens' order.
 fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut Report) {
@@ -292,22 +329,35 @@ fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut R
         .collect();
     // A multi lock's first names were granted long before its enter: its token is checked
     // against the holds that had ended before it asked, not by its enter.
+    let mut backwards = |a: &Section, s: &Section, what: &str| {
+        let row = report
+            .rows
+            .entry(fault_of(faults, s.enter).into())
+            .or_default();
+        let why = if excuse.lower_token(a, s) {
+            row.after_clock_jump += 1;
+            "token lower after a clock that ran ahead and a restart that lost data (stated limit)"
+        } else {
+            row.token_order += 1;
+            "TOKEN ORDER"
+        };
+        report.evidence.push(format!(
+            "{why} on {name}: {what}:\n  {}\n  {}",
+            describe(a),
+            describe(s)
+        ));
+    };
     for &m in valid.iter().filter(|s| s.kind == Kind::Multi) {
         if let Some(b) = valid
             .iter()
             .filter(|b| b.valid_until() < m.asked && b.token >= m.token)
             .max_by_key(|b| b.token)
         {
-            report
-                .rows
-                .entry(fault_of(faults, m.enter).into())
-                .or_default()
-                .token_order += 1;
-            report.evidence.push(format!(
-                "TOKEN ORDER on {name}: a multi lock's token not above that of a hold ended before it asked:\n  {}\n  {}",
-                describe(b),
-                describe(m)
-            ));
+            backwards(
+                b,
+                m,
+                "a multi lock's token not above that of a hold ended before it asked",
+            );
         }
     }
     let ordered: Vec<&Section> = valid
@@ -318,16 +368,11 @@ fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut R
     for pair in ordered.windows(2) {
         let (a, s) = (pair[0], pair[1]);
         if s.token <= a.token {
-            report
-                .rows
-                .entry(fault_of(faults, s.enter).into())
-                .or_default()
-                .token_order += 1;
-            report.evidence.push(format!(
-                "TOKEN ORDER on {name}: a later valid hold has a token not above the earlier's:\n  {}\n  {}",
-                describe(a),
-                describe(s)
-            ));
+            backwards(
+                a,
+                s,
+                "a later valid hold has a token not above the earlier's",
+            );
         }
     }
     let mut furthest: Option<&Section> = None;
@@ -816,6 +861,71 @@ mod tests {
         );
         assert!(!r.violated(), "{:?}", r.evidence);
         assert_eq!(r.total().dead_on_arrival, 1);
+    }
+
+    #[test]
+    fn a_lower_token_after_a_clock_ahead_and_a_restart_is_counted_apart() {
+        // server0's clock ran 5 s ahead from 10 to 12; `a` (token 9) entered at 15; server0
+        // restarted empty at 20; `b` got a lower token at 30.
+        let ahead = FaultEvent {
+            kind: "clock>ttl".into(),
+            target: "server0:+5000ms".into(),
+            start: 10,
+            end: 12,
+            data_loss: false,
+            clock_forward: Some(10),
+        };
+        let kill = |target: &str, at: u64| FaultEvent {
+            kind: "kill".into(),
+            target: target.into(),
+            start: at,
+            end: at + 1,
+            data_loss: true,
+            clock_forward: None,
+        };
+        // (The fenced resource refuses `b`'s write: a newer token had written.)
+        let holds = || {
+            let mut b = sec("b", Kind::Plain, "n", 8, 30, 31, 40);
+            b.write = FenceWrite::Rejected {
+                start: 30,
+                end: 31,
+                newest: 9,
+            };
+            vec![sec("a", Kind::Plain, "n", 9, 15, 16, 17), b]
+        };
+        let r = run(holds(), vec![ahead.clone(), kill("server0", 20)]);
+        let t = r.total();
+        assert_eq!(
+            (t.token_order, t.after_clock_jump),
+            (0, 1),
+            "{:?}",
+            r.evidence
+        );
+        assert!(!r.violated());
+        // Without the restart, or with the restart on another server, or with a clock set
+        // behind instead, it is a violation.
+        assert_eq!(run(holds(), vec![ahead.clone()]).total().token_order, 1);
+        let r = run(holds(), vec![ahead.clone(), kill("server1", 20)]);
+        assert_eq!(r.total().token_order, 1);
+        let behind = FaultEvent {
+            target: "server0:-5000ms".into(),
+            clock_forward: Some(12),
+            ..ahead.clone()
+        };
+        assert_eq!(
+            run(holds(), vec![behind, kill("server0", 20)])
+                .total()
+                .token_order,
+            1
+        );
+        // A restart once the clock had caught up (more than the jump after the heal).
+        let t = 5_000_000_200;
+        let late = vec![
+            sec("a", Kind::Plain, "n", 9, 15, 16, 17),
+            sec("b", Kind::Plain, "n", 8, t, t + 1, t + 10),
+        ];
+        let r = run(late, vec![ahead, kill("server0", t - 100)]);
+        assert_eq!(r.total().token_order, 1);
     }
 
     #[test]
