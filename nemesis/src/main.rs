@@ -26,7 +26,8 @@ struct Cli {
 enum Mode {
     /// Runs configurations under a seeded schedule of faults and checks the records.
     Run {
-        /// Configurations, comma-separated: single, single-aof, redlock5, cluster.
+        /// Configurations, comma-separated: single, single-aof, redlock5, cluster, sentinel,
+        /// sentinel-ack.
         #[arg(long, default_value = "single", value_delimiter = ',')]
         config: Vec<Config>,
         /// Seconds of workload per configuration.
@@ -42,7 +43,8 @@ enum Mode {
         #[arg(long)]
         seed: Option<u64>,
         /// Faults, comma-separated: kill, pause, client-pause, client-kill, starve, clock,
-        /// delay (empty: none; clock and delay not on cluster).
+        /// delay, partition, failover (empty: none; clock, delay and partition not on cluster
+        /// or Sentinel; failover on Sentinel only).
         #[arg(
             long,
             value_delimiter = ',',
@@ -66,52 +68,13 @@ enum Mode {
     },
     /// One worker process (spawned by `run`).
     #[command(hide = true)]
-    Worker {
-        #[arg(long)]
-        id: usize,
-        #[arg(long)]
-        seed: u64,
-        #[arg(long, value_delimiter = ',')]
-        urls: Vec<String>,
-        #[arg(long)]
-        redlock: bool,
-        #[arg(long)]
-        fence_url: String,
-        #[arg(long)]
-        out: PathBuf,
-        #[arg(long)]
-        until_ns: u64,
-        #[arg(long)]
-        tasks: usize,
-        #[arg(long)]
-        mutant: bool,
-    },
+    Worker(WorkerConfig),
 }
 
 fn main() -> ExitCode {
     match Cli::parse().mode {
-        Mode::Worker {
-            id,
-            seed,
-            urls,
-            redlock,
-            fence_url,
-            out,
-            until_ns,
-            tasks,
-            mutant,
-        } => {
-            let cfg = WorkerConfig {
-                id,
-                seed,
-                urls,
-                redlock,
-                fence_url,
-                out,
-                until_ns,
-                tasks,
-                mutant,
-            };
+        Mode::Worker(cfg) => {
+            let id = cfg.id;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()

@@ -229,7 +229,8 @@ pub struct FaultEvent {
     pub start: u64,
     /// Healed.
     pub end: u64,
-    /// Whether it may have lost acknowledged writes (a kill without `appendfsync always`).
+    /// Whether it may have lost acknowledged writes (a kill without `appendfsync always`, a
+    /// failover without `ReplicaAck`).
     pub data_loss: bool,
     /// When the target server's wall clock jumped forward (a clock fault's injection when
     /// it set the clock ahead, its heal when it had set it behind): the leases on that

@@ -51,9 +51,14 @@ pub fn run(spec: &RunSpec) -> Report {
     let parted = spec.faults.contains(&Fault::Partition);
     let proxied = parted || spec.faults.contains(&Fault::Delay);
     assert!(
-        spec.config != Config::Cluster || !(clocked || proxied),
+        !(spec.config == Config::Cluster || spec.config.is_sentinel()) || !(clocked || proxied),
         "nemesis: clock, delay and partition faults are wired for single, single-aof and \
-         redlock5 only (a cluster's clients follow its nodes' own addresses, past any proxy)"
+         redlock5 only (a cluster's or a Sentinel deployment's clients follow the nodes' own \
+         addresses, past any proxy)"
+    );
+    assert!(
+        spec.config.is_sentinel() || !spec.faults.contains(&Fault::Failover),
+        "nemesis: the failover fault is for the sentinel and sentinel-ack configurations"
     );
     let count = if spec.config == Config::Redlock5 {
         5
@@ -156,6 +161,7 @@ pub fn run(spec: &RunSpec) -> Report {
                 seed: spec.seed,
                 urls: urls(id),
                 redlock: spec.config == Config::Redlock5,
+                replica_ack: spec.config.replica_ack(),
                 fence_url: topo.fence.url(),
                 out: spec.dir.join(format!("worker{id}.rec")),
                 until_ns,

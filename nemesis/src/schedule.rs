@@ -23,9 +23,13 @@ use crate::topology::Topology;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fault {
     /// `kill -9` a store server, restart it after 0–500 ms keeping its data dir (with AOF
-    /// it reloads what it persisted; without, it comes back empty).
+    /// it reloads what it persisted; without, it comes back empty). On Sentinel, a killed
+    /// primary stays down until the sentinels have failed it over (a primary without
+    /// persistence restarted before that comes back empty, and its replicas copy the
+    /// emptiness: Redis's own docs warn against it).
     Kill,
-    /// SIGSTOP a store server for 0.2–2 s, then SIGCONT.
+    /// SIGSTOP a store server for 0.2–2 s (0.2–4 s on Sentinel, so that some pauses of the
+    /// primary outlast `down-after-milliseconds` and fail it over), then SIGCONT.
     Pause,
     /// SIGSTOP a worker for 1.5–3 s (past every TTL it uses), then SIGCONT.
     ClientPause,
@@ -45,11 +49,14 @@ pub enum Fault {
     /// `DelayProxy`): a delay of 10–500 ms for 0.5–3 s, a stall of 0.5–3 s, or every proxied
     /// connection reset.
     Delay,
+    /// `SENTINEL FAILOVER`: the sentinels promote a replica while the primary still runs
+    /// (Sentinel configurations only).
+    Failover,
 }
 
 impl Fault {
     /// The faults this harness injects today.
-    pub const WIRED: [Fault; 8] = [
+    pub const WIRED: [Fault; 9] = [
         Fault::Kill,
         Fault::Pause,
         Fault::ClientPause,
@@ -58,9 +65,10 @@ impl Fault {
         Fault::ClockShift,
         Fault::Delay,
         Fault::Partition,
+        Fault::Failover,
     ];
 
-    const NAMES: [(Fault, &'static str); 8] = [
+    const NAMES: [(Fault, &'static str); 9] = [
         (Fault::Kill, "kill"),
         (Fault::Pause, "pause"),
         (Fault::ClientPause, "client-pause"),
@@ -69,6 +77,7 @@ impl Fault {
         (Fault::ClockShift, "clock"),
         (Fault::Partition, "partition"),
         (Fault::Delay, "delay"),
+        (Fault::Failover, "failover"),
     ];
 }
 
@@ -141,7 +150,7 @@ impl Nemesis {
             return None;
         }
         let fault = self.faults[self.rng.random_range(0..self.faults.len())];
-        let server = self.rng.random_range(0..topo.servers.len());
+        let server = self.rng.random_range(0..topo.node_count());
         let ms = |rng: &mut StdRng, a: u64, b: u64| Duration::from_millis(rng.random_range(a..b));
         let start = mono_ns();
         let mut data_loss = false;
@@ -150,21 +159,71 @@ impl Nemesis {
         let target = match fault {
             Fault::Kill => {
                 let down = ms(&mut self.rng, 0, 500);
-                let srv = &mut topo.servers[server];
-                srv.kill();
-                std::thread::sleep(down);
-                srv.restart_keeping_data();
-                data_loss = topo.config.kill_loses_leases();
+                let acked = topo.config.replica_ack() > 0;
+                if let Some(d) = &mut topo.sentinels {
+                    let primary = d.primary() == server;
+                    d.nodes[server].kill();
+                    if primary {
+                        d.wait_primary_changed(server);
+                    } else {
+                        std::thread::sleep(down);
+                    }
+                    d.nodes[server].restart_keeping_data();
+                    d.wait_settled();
+                    // Without acknowledgement, the promoted replica may lack the last grants.
+                    data_loss = primary && !acked;
+                    kind = role_kind("kill", primary);
+                } else {
+                    let srv = topo.node(server);
+                    srv.kill();
+                    std::thread::sleep(down);
+                    srv.restart_keeping_data();
+                    data_loss = topo.config.kill_loses_leases();
+                }
                 format!("server{server}")
             }
             Fault::Pause => {
-                let d = ms(&mut self.rng, 200, 2000);
-                let srv = &topo.servers[server];
+                let longest = if topo.sentinels.is_some() { 4000 } else { 2000 };
+                let d = ms(&mut self.rng, 200, longest);
+                let acked = topo.config.replica_ack() > 0;
+                let primary = topo.sentinels.as_ref().map(|s| s.primary() == server);
+                let srv = topo.node(server);
                 srv.pause();
                 std::thread::sleep(d);
                 srv.resume();
                 data_loss = topo.config.pause_loses_leases() && d >= Duration::from_secs(1);
+                if let (Some(dep), Some(primary)) = (&topo.sentinels, primary) {
+                    // A failover while the primary was paused: what it granted after its
+                    // last replication is lost (without acknowledgement), and so is what it
+                    // grants once resumed, until the sentinels demote it.
+                    let failed_over = dep.wait_settled() != server && primary;
+                    data_loss = failed_over && !acked;
+                    kind = role_kind("pause", primary);
+                    if failed_over {
+                        kind.push_str("-failover");
+                    }
+                }
                 format!("server{server}")
+            }
+            Fault::Failover => {
+                let dep = topo
+                    .sentinels
+                    .as_ref()
+                    .expect("nemesis: a failover fault on a configuration without sentinels");
+                let old = dep.primary();
+                // Sentinel may give a forced failover up (no replica it would promote, say
+                // one still syncing after a restart): counted apart, as it may have promoted
+                // a replica for a while.
+                let new = dep.try_failover();
+                dep.wait_settled();
+                data_loss = topo.config.replica_ack() == 0;
+                match new {
+                    Ok(new) => format!("server{old}->server{new}"),
+                    Err(_) => {
+                        kind = "failover-given-up".into();
+                        format!("server{old}")
+                    }
+                }
             }
             Fault::ClientPause => {
                 let d = ms(&mut self.rng, 1500, 3000);
@@ -177,8 +236,8 @@ impl Nemesis {
                 format!("worker{w}")
             }
             Fault::ClientKill => {
-                for srv in &topo.servers {
-                    srv.kill_clients();
+                for i in 0..topo.node_count() {
+                    topo.node(i).kill_clients();
                 }
                 "all".to_string()
             }
@@ -250,7 +309,7 @@ impl Nemesis {
                     .as_ref()
                     .expect("nemesis: a partition without the servers' network");
                 let w = self.rng.random_range(0..self.workers.len());
-                let n = topo.servers.len();
+                let n = topo.node_count();
                 // On Redlock, half the time a majority of the nodes.
                 let cut: Vec<usize> = if n > 1 && self.rng.random_bool(0.5) {
                     (0..n / 2 + 1).map(|k| (server + k) % n).collect()
@@ -278,6 +337,11 @@ impl Nemesis {
             clock_forward,
         })
     }
+}
+
+/// A fault's row name on Sentinel, by the node's role when struck.
+fn role_kind(fault: &str, primary: bool) -> String {
+    format!("{fault}-{}", if primary { "primary" } else { "replica" })
 }
 
 /// Runs `threads` busy loops for `d`.

@@ -1,5 +1,6 @@
-//! The test suite's redis-server spawner and Redis Cluster (one copy of the code, shared with the tests and the
-//! benchmark), and the polling helper it calls as `super::wait_for_interval`.
+//! The test suite's redis-server spawner, Redis Cluster and Sentinel deployment (one copy of
+//! the code, shared with the tests and the benchmark), and the polling helper they call as
+//! `super::wait_for_interval`.
 
 #[path = "../../tests/support/server.rs"]
 #[allow(dead_code, unreachable_pub, missing_docs)]
@@ -13,6 +14,10 @@ pub mod server;
     missing_debug_implementations
 )]
 pub mod cluster;
+
+#[path = "../../tests/support/sentinel.rs"]
+#[allow(dead_code, unreachable_pub, missing_docs)]
+pub mod sentinel;
 
 #[path = "../../tests/support/wait.rs"]
 mod wait;

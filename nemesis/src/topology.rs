@@ -18,7 +18,13 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use crate::support::cluster::RedisCluster;
+use crate::support::sentinel::RedisSentinels;
 use crate::support::server::RedisServer;
+
+/// A Sentinel configuration's replicas (beside its primary).
+pub const SENTINEL_REPLICAS: usize = 2;
+/// A Sentinel configuration's sentinels (quorum 2).
+pub const SENTINELS: usize = 3;
 
 /// A configuration of the lock store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,16 +39,38 @@ pub enum Config {
     /// a kill or a pause past the node timeout (1 s) fails over to a replica that may lack
     /// the last grants (a stated limit without `ReplicaAck`).
     Cluster,
+    /// A primary with 2 replicas behind 3 sentinels, no persistence, no `ReplicaAck`: a
+    /// failover may promote a replica that lacks the last grants (a stated limit).
+    Sentinel,
+    /// As [`Config::Sentinel`], with `ReplicaAck::replicas(2)`: every replica acknowledges
+    /// each grant and extension before it counts, so whichever replica is promoted has it.
+    SentinelAck,
 }
 
 impl Config {
     /// All configurations, in the order a run takes them.
-    pub const ALL: [Config; 4] = [
+    pub const ALL: [Config; 6] = [
         Config::Single,
         Config::SingleAof,
         Config::Redlock5,
         Config::Cluster,
+        Config::Sentinel,
+        Config::SentinelAck,
     ];
+
+    /// How many replicas must acknowledge a grant or an extension (`ReplicaAck::replicas`;
+    /// 0: off).
+    pub fn replica_ack(self) -> u32 {
+        match self {
+            Config::SentinelAck => SENTINEL_REPLICAS as u32,
+            _ => 0,
+        }
+    }
+
+    /// Whether the store is a Sentinel deployment.
+    pub fn is_sentinel(self) -> bool {
+        matches!(self, Config::Sentinel | Config::SentinelAck)
+    }
 
     /// Whether killing a server may lose leases that holders still consider valid, as the
     /// README states for one server (restart without persistence, or AOF's last second).
@@ -65,6 +93,8 @@ impl fmt::Display for Config {
             Config::SingleAof => "single-aof",
             Config::Redlock5 => "redlock5",
             Config::Cluster => "cluster",
+            Config::Sentinel => "sentinel",
+            Config::SentinelAck => "sentinel-ack",
         })
     }
 }
@@ -76,7 +106,10 @@ impl FromStr for Config {
             .into_iter()
             .find(|c| c.to_string() == s)
             .ok_or_else(|| {
-                format!("unknown configuration {s:?} (single, single-aof, redlock5, cluster)")
+                format!(
+                    "unknown configuration {s:?} (single, single-aof, redlock5, cluster, \
+                     sentinel, sentinel-ack)"
+                )
             })
     }
 }
@@ -287,21 +320,46 @@ impl Drop for LaunchedServer {
 }
 
 /// A configuration's servers.
-#[derive(Debug)]
 pub struct Topology {
     /// The configuration.
     pub config: Config,
     /// The lock store's servers (faulted); a cluster's primaries first, then replicas.
+    /// Empty for a Sentinel configuration, whose data nodes are in [`sentinels`](Self::sentinels).
     pub servers: Vec<Box<dyn Node>>,
     /// A cluster's URL (naming its first primaries); `None`: the servers' own URLs.
     pub cluster_url: Option<String>,
+    /// A Sentinel configuration's data nodes (faulted) and sentinels (never faulted).
+    pub sentinels: Option<RedisSentinels>,
     /// The fenced resource's server (never faulted).
     pub fence: RedisServer,
+}
+
+impl fmt::Debug for Topology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Topology")
+            .field("config", &self.config)
+            .field("urls", &self.urls())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Topology {
     /// Starts the servers of `config`; server `i` as `launch(i)` says.
     pub fn start(config: Config, launch: &dyn Fn(usize) -> Launch) -> Topology {
+        if config.is_sentinel() {
+            assert!(
+                launch(0).is_default(),
+                "nemesis: a Sentinel deployment's nodes start as tests/support/sentinel.rs \
+                 starts them"
+            );
+            return Topology {
+                config,
+                servers: Vec::new(),
+                cluster_url: None,
+                sentinels: Some(RedisSentinels::start(SENTINEL_REPLICAS, SENTINELS)),
+                fence: RedisServer::start(),
+            };
+        }
         if config == Config::Cluster {
             assert!(
                 launch(0).is_default(),
@@ -317,11 +375,12 @@ impl Topology {
                 config,
                 servers,
                 cluster_url: Some(url),
+                sentinels: None,
                 fence: RedisServer::start(),
             };
         }
         let (count, args): (usize, &[&str]) = match config {
-            Config::Single | Config::Cluster => (1, &[]),
+            Config::Single | Config::Cluster | Config::Sentinel | Config::SentinelAck => (1, &[]),
             Config::SingleAof => (1, &["--appendonly", "yes", "--appendfsync", "everysec"]),
             Config::Redlock5 => (5, &[]),
         };
@@ -339,15 +398,36 @@ impl Topology {
             config,
             servers,
             cluster_url: None,
+            sentinels: None,
             fence: RedisServer::start(),
         }
     }
 
-    /// The lock store's URLs: a cluster's one URL, or each server's.
+    /// The lock store's URLs: a cluster's one URL, a Sentinel deployment's one
+    /// `redis-sentinel://` URL, or each server's.
     pub fn urls(&self) -> Vec<String> {
+        if let Some(d) = &self.sentinels {
+            return vec![d.url()];
+        }
         match &self.cluster_url {
             Some(url) => vec![url.clone()],
             None => self.servers.iter().map(|s| s.url()).collect(),
+        }
+    }
+
+    /// How many store servers the nemesis may fault.
+    pub fn node_count(&self) -> usize {
+        match &self.sentinels {
+            Some(d) => d.nodes.len(),
+            None => self.servers.len(),
+        }
+    }
+
+    /// Store server `i` (`i < node_count()`).
+    pub fn node(&mut self, i: usize) -> &mut dyn Node {
+        match &mut self.sentinels {
+            Some(d) => &mut d.nodes[i],
+            None => self.servers[i].as_mut(),
         }
     }
 }

@@ -27,7 +27,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redlease::{
     FencedWrite, Lock, LockGuard, LockManager, LockOptions, MultiLock, Owner, RedisBackend,
-    RedisOptions, Redlock, RedlockOptions,
+    RedisOptions, Redlock, RedlockOptions, ReplicaAck,
 };
 
 use crate::record::{instant_ns, mono_ns, FenceWrite, Kind, Recorder, Section};
@@ -41,26 +41,39 @@ const WAIT: Duration = Duration::from_secs(5);
 /// The Redlock deployment's longest lease and restart quarantine (short, for a test).
 pub const REDLOCK_MAX_LEASE: Duration = Duration::from_secs(2);
 
-/// What a worker process is told by the harness (its command line).
-#[derive(Clone, Debug)]
+/// What a worker process is told by the harness: the `worker` subcommand's arguments.
+#[derive(Clone, Debug, clap::Args)]
 pub struct WorkerConfig {
     /// The worker's number.
+    #[arg(long)]
     pub id: usize,
     /// The run's seed (each task's generator is seeded from it, the worker and the task).
+    #[arg(long)]
     pub seed: u64,
-    /// The lock store's URLs: one server, or a Redlock's nodes.
+    /// The lock store's URLs: one server (or a cluster's or Sentinel deployment's URL), or
+    /// a Redlock's nodes.
+    #[arg(long, value_delimiter = ',')]
     pub urls: Vec<String>,
     /// Whether `urls` are Redlock nodes.
+    #[arg(long)]
     pub redlock: bool,
+    /// How many replicas must acknowledge each grant and extension (0: `ReplicaAck::Off`).
+    #[arg(long, default_value_t = 0)]
+    pub replica_ack: u32,
     /// The fenced resource's server.
+    #[arg(long)]
     pub fence_url: String,
     /// The record file.
+    #[arg(long)]
     pub out: PathBuf,
     /// `CLOCK_MONOTONIC` ns at which to stop starting sections.
+    #[arg(long)]
     pub until_ns: u64,
     /// Concurrent tasks in the worker.
+    #[arg(long)]
     pub tasks: usize,
     /// Run the mutant workload (see the module docs).
+    #[arg(long)]
     pub mutant: bool,
 }
 
@@ -72,6 +85,7 @@ impl WorkerConfig {
             format!("--id={}", self.id),
             format!("--seed={}", self.seed),
             format!("--urls={}", self.urls.join(",")),
+            format!("--replica-ack={}", self.replica_ack),
             format!("--fence-url={}", self.fence_url),
             format!("--out={}", self.out.display()),
             format!("--until-ns={}", self.until_ns),
@@ -126,7 +140,10 @@ struct Worker {
 /// If the record file cannot be written or a store cannot be reached at the start.
 pub async fn run(cfg: WorkerConfig) -> io::Result<WorkerStats> {
     let err = |e: redlease::Error| io::Error::other(e.to_string());
-    let redis = RedisOptions::new().command_timeout(Duration::from_millis(500));
+    let mut redis = RedisOptions::new().command_timeout(Duration::from_millis(500));
+    if cfg.replica_ack > 0 {
+        redis = redis.replica_ack(ReplicaAck::replicas(cfg.replica_ack));
+    }
     let defaults = LockOptions::new()
         .watchdog(!cfg.mutant)
         .wait_timeout(Some(WAIT));

@@ -161,6 +161,13 @@ impl RedisSentinels {
     /// failing over counts) and waits until every running sentinel names a new primary that
     /// says `role:master`. Returns its index in [`nodes`](Self::nodes).
     pub fn failover(&self) -> usize {
+        self.try_failover()
+            .unwrap_or_else(|e| panic!("support: {e}"))
+    }
+
+    /// [`failover`](Self::failover), or why it did not happen within [`READY`]: no
+    /// sentinel started it, or Sentinel gave it up.
+    pub fn try_failover(&self) -> Result<usize, String> {
         let old = self.primary();
         let mut said = Vec::new();
         let started = wait_for_interval(READY, POLL, || {
@@ -176,16 +183,25 @@ impl RedisSentinels {
             })
         });
         said.dedup();
-        assert!(
-            started,
-            "support: no sentinel started a failover within {READY:?}; they said {said:?}"
-        );
-        self.wait_primary_changed(old)
+        if !started {
+            return Err(format!(
+                "no sentinel started a failover within {READY:?}; they said {said:?}"
+            ));
+        }
+        self.try_wait_primary_changed(old)
     }
 
     /// Waits until every running sentinel names the same primary other than node `old`, and
     /// that node says `role:master`; its index in [`nodes`](Self::nodes).
     pub fn wait_primary_changed(&self, old: usize) -> usize {
+        self.try_wait_primary_changed(old)
+            .unwrap_or_else(|e| panic!("support: {e}"))
+    }
+
+    /// [`wait_primary_changed`](Self::wait_primary_changed), or what the sentinels name
+    /// when they did not agree on a new primary within [`READY`] (a failover Sentinel
+    /// gave up on: no replica it would promote).
+    pub fn try_wait_primary_changed(&self, old: usize) -> Result<usize, String> {
         let mut new = None;
         let changed = wait_for_interval(READY, POLL, || {
             let named: Vec<Option<usize>> = self
@@ -201,13 +217,57 @@ impl RedisSentinels {
                 _ => false,
             }
         });
+        match new {
+            Some(p) if changed => Ok(p),
+            _ => Err(format!(
+                "the sentinels did not agree on a new primary (other than node {old}) within \
+                 {READY:?}; they name {:?}",
+                self.named()
+            )),
+        }
+    }
+
+    /// Waits until the deployment is at rest after a fault: every running sentinel thinks
+    /// nothing down and runs no failover (its `SENTINEL MASTER` flags say `master` alone),
+    /// all of them name the same primary, that node says `role:master`, and every other
+    /// running node says `role:slave`. A node back from a pause or a kill may say
+    /// `role:master` for a while after a failover (Sentinel converts it some seconds later);
+    /// this waits that out. Returns the primary's index in [`nodes`](Self::nodes).
+    pub fn wait_settled(&self) -> usize {
+        let mut primary = None;
+        let at_rest = wait_for_interval(READY, POLL, || {
+            let calm = self.sentinels.iter().filter(|s| s.is_running()).all(|s| {
+                let Ok(reply) = s.cmd_timeout(&["SENTINEL", "MASTER", SERVICE], ASK) else {
+                    return false;
+                };
+                let fields = reply.as_array().unwrap_or_default();
+                fields.chunks(2).any(|kv| {
+                    kv[0].as_str().as_deref() == Some("flags")
+                        && kv.get(1).and_then(Resp::as_str).as_deref() == Some("master")
+                })
+            });
+            let named: Vec<Option<usize>> = self
+                .sentinels
+                .iter()
+                .zip(self.named())
+                .filter(|(s, _)| s.is_running())
+                .map(|(_, n)| n)
+                .collect();
+            primary = named.first().copied().flatten();
+            let Some(p) = primary else { return false };
+            calm && named.iter().all(|&n| n == Some(p))
+                && (0..self.nodes.len()).all(|i| {
+                    !self.nodes[i].is_running()
+                        || self.role(i).as_deref() == Some(if i == p { "master" } else { "slave" })
+                })
+        });
         assert!(
-            changed,
-            "support: the sentinels did not agree on a new primary (other than node {old}) \
-             within {READY:?}; they name {:?}",
+            at_rest,
+            "support: the sentinel deployment did not come to rest within {READY:?}; the \
+             sentinels name {:?}",
             self.named()
         );
-        new.expect("a new primary")
+        primary.expect("a primary")
     }
 
     /// Waits until every running node other than `primary` replicates it and acknowledges
