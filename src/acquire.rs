@@ -341,7 +341,6 @@ impl<'a> Attempts<'a> {
     fn into_guard(mut self, grant: Grant, sent: Instant) -> LockGuard {
         let t = self.target;
         let opts = t.options;
-        tracing::debug!(key = %t.key, fencing_token = grant.fencing_token, waited = ?self.began.elapsed(), "acquired");
         let kept = t.manager.watchdog.keep(ToKeep {
             key: t.key.clone(),
             token: grant.lease.clone(),
@@ -351,12 +350,16 @@ impl<'a> Attempts<'a> {
             sent,
             validity: grant.validity,
             shared: grant.hold_count.is_some(),
+            fence: grant.fencing_token,
         });
+        // One reign, one token: a re-entry reports its reign's.
+        let fence = kept.reign_fence().unwrap_or(grant.fencing_token);
+        tracing::debug!(key = %t.key, fencing_token = fence, waited = ?self.began.elapsed(), "acquired");
         self.pending.granted(grant.lease);
         self.pending.armed = true;
         LockGuard::new(
             t.name.clone(),
-            grant.fencing_token,
+            fence,
             (grant.hold_count, grant.replicas),
             kept,
             self.pending,

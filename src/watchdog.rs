@@ -594,6 +594,8 @@ pub(crate) struct ToKeep {
     pub(crate) validity: Duration,
     /// Other guards may hold the same lease token (a reentrant reign): share one entry.
     pub(crate) shared: bool,
+    /// The grant's fencing token: a shared entry keeps its first (the reign's).
+    pub(crate) fence: u64,
 }
 
 /// A held lease in this manager: its lost state, and its registration with the watchdog
@@ -604,15 +606,24 @@ pub(crate) struct Kept {
     /// it. (A held lease is kept small.)
     cap: u64,
     watch: Option<Registration>,
-    /// The map entry to take out when the last holder goes, for a shared lease (boxed: most
-    /// leases are not shared, and a held lease is kept small).
-    shared: Option<Box<(Arc<SharedLeases>, Token)>>,
+    /// For a shared lease: the map entry to take out when the last holder goes, and the
+    /// reign's fencing token (boxed: most leases are not shared, and a held lease is kept
+    /// small).
+    shared: Option<Box<(Arc<SharedLeases>, Token, u64)>>,
 }
 
 impl Kept {
     /// The maximum hold's end, if any: no extension reaches past it.
     pub(crate) fn cap(&self) -> Option<Instant> {
         (self.cap != 0).then(|| epoch() + Duration::from_nanos(self.cap))
+    }
+
+    /// A shared lease's fencing token: the first grant's of its reign. Every hold of a reign
+    /// in this manager reports it, even where a store of several nodes reports more for a
+    /// re-entry (a Redlock node that granted the reign late, after its clock passed the
+    /// floor the round proposed, minted more than the token the round took).
+    pub(crate) fn reign_fence(&self) -> Option<u64> {
+        self.shared.as_deref().map(|s| s.2)
     }
 
     /// After a manual extend: keep extending with the new TTL.
@@ -626,7 +637,7 @@ impl Kept {
 impl Drop for Kept {
     fn drop(&mut self) {
         drop(self.watch.take());
-        if let Some((map, token)) = self.shared.as_deref() {
+        if let Some((map, token, _)) = self.shared.as_deref() {
             let mut map = lock_map(map);
             // Only if no newer lease took the slot.
             if map.get(token).is_some_and(|w| w.strong_count() == 0) {
@@ -731,7 +742,7 @@ impl Watchdog {
             watch,
             shared: lease
                 .shared
-                .then(|| Box::new((self.shared_leases.clone(), lease.token.clone()))),
+                .then(|| Box::new((self.shared_leases.clone(), lease.token.clone(), lease.fence))),
         });
         if lease.shared {
             let replaced = lock_map(&self.shared_leases).insert(lease.token, Arc::downgrade(&kept));

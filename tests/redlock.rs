@@ -1588,3 +1588,61 @@ async fn raise_fence_on_a_redlock_lifts_the_next_token_above_it() {
         next.fencing_token()
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// A reentrant reign on a Redlock: one reign, one token.
+// ---------------------------------------------------------------------------------------
+
+/// A node paused through the round that starts a reign grants it once resumed, after its
+/// clock has passed the fence floor that round proposed, so it mints more than the token
+/// the round took. A re-entry whose majority includes that node still reports the reign's
+/// token (the nemesis found re-entries reporting the larger one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_entry_keeps_its_reign_s_token_when_a_late_node_minted_more() {
+    let servers = start(3);
+    let m = manager(&servers, LockOptions::new().ttl(secs(10)), guard_off()).await;
+    let owner = redlease::Owner::random();
+    let lock = m.lock("reign").reentrant(&owner).expect("reentrant lock");
+    let key = m.lock("reign").key().as_str().to_string();
+
+    servers[2].pause();
+    let outer = within("outer acquire", secs(5), lock.acquire())
+        .await
+        .expect("two of three nodes grant");
+    let token = outer.fencing_token();
+    // The paused node mints from its own clock once that passes the proposed floor (the
+    // token, in µs since the epoch).
+    let passed = support::wait_for_async(secs(5), || {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros();
+        now > u128::from(token) + 100_000
+    })
+    .await;
+    assert!(passed, "the clock did not pass the floor {token}");
+    servers[2].resume();
+    let late = support::wait_for_async(secs(5), || {
+        support::int_field(&servers[2], &key, "f").is_some_and(|f| f > token as i64)
+    })
+    .await;
+    assert!(
+        late,
+        "the resumed node did not grant the reign with a larger token: f = {:?}, token {token}",
+        support::int_field(&servers[2], &key, "f")
+    );
+
+    // Every node answers the re-entry; the late one reports its own, larger token.
+    let inner = within("re-entry", secs(5), lock.acquire())
+        .await
+        .expect("re-entry");
+    assert_eq!(inner.hold_count(), Some(2));
+    assert_eq!(
+        inner.fencing_token(),
+        token,
+        "a re-entry reported a token other than its reign's"
+    );
+    assert!(!outer.is_lost());
+    drop(inner);
+    outer.release().await.expect("release");
+}
