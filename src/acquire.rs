@@ -225,23 +225,24 @@ struct Attempts<'a> {
 
 impl<'a> Attempts<'a> {
     fn new(target: &'a Target<'a>) -> Self {
-        let token = match target.kind {
-            ClaimKind::Reentrant(_) => Token::hold(),
-            ClaimKind::Read | ClaimKind::Permit(_) => Token::shared(),
-            _ => Token::random(),
-        };
-        let claim = Claim::new(
-            target.key.clone(),
-            token.with_label(target.options.holder_label.clone()),
-            target.options.ttl,
-        )
-        .kind(target.kind.clone());
+        let claim = Claim::new(target.key.clone(), Self::token(target), target.options.ttl)
+            .kind(target.kind.clone());
         Attempts {
             target,
             pending: PendingClaim::new(target.manager.backend.clone(), claim),
             began: Instant::now(),
             unavailable: None,
         }
+    }
+
+    /// A fresh token for `target`'s claim, with its holder label.
+    fn token(target: &Target<'_>) -> Token {
+        let token = match target.kind {
+            ClaimKind::Reentrant(_) => Token::hold(),
+            ClaimKind::Read | ClaimKind::Permit(_) => Token::shared(),
+            _ => Token::random(),
+        };
+        token.with_label(target.options.holder_label.clone())
     }
 
     /// Keeps `e` as the reason the wait goes on (the error if it runs out), and pauses,
@@ -316,6 +317,11 @@ impl<'a> Attempts<'a> {
                 };
                 backend.release(&self.pending.claim, lease).await?;
                 self.pending.armed = false;
+                if matches!(self.target.kind, ClaimKind::Read | ClaimKind::Permit(_)) {
+                    // A shared hold's released token stays refused (its re-sent release is
+                    // answered "released"): the next attempt goes with a fresh one.
+                    self.pending.claim.token = Self::token(self.target);
+                }
                 tracing::warn!(key = %self.target.key, late = ?sent_at.elapsed(), "a grant came back after its validity; given back");
                 Tried::Held(Some(Duration::ZERO))
             }

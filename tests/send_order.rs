@@ -8,7 +8,8 @@
 //! token, such a late copy of the give-back's release used to end the new lease while its
 //! guard still counted it valid: two valid guards. These tests make that happen on real
 //! servers, with the proxy holding the first copy back, and call the scripts in the stale
-//! order directly for every kind of claim.
+//! order directly for every kind of claim. A read or a permit given back takes a fresh token
+//! for its next attempt (a released shared token stays refused).
 
 mod support;
 
@@ -464,4 +465,56 @@ async fn a_late_grant_given_back_and_granted_again_keeps_its_guard_the_only_hold
         .await
         .expect("the guard's extension still works");
     assert!(!guard.is_lost());
+}
+
+/// A permit whose grant came back after its validity is given back by the engine, and the
+/// next attempt must be granted while another holder keeps the semaphore in use. A shared
+/// hold's released token stays refused (so that its re-sent release is answered
+/// "released"), so the next attempt goes with a fresh token: with the same one, it waited
+/// until the other holder let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_given_back_late_is_granted_again_beside_another_holder() {
+    let srv = RedisServer::start();
+    let proxy = Proxy::start(srv.port());
+    let shared_sha = sha(&srv, SHARED);
+    let b = RedisBackend::connect_with(&proxy.url(), proxied_opts())
+        .await
+        .expect("connect");
+    let ttl = secs(1);
+    let m = LockManager::with_options(b, LockOptions::new().ttl(ttl)).expect("options");
+    // Another manager holds one of the two permits throughout (its watchdog extends it).
+    let other = LockManager::new(RedisBackend::connect(&srv.url()).await.expect("connect"));
+    let first = other
+        .lock("given-back-permit")
+        .semaphore(2)
+        .expect("semaphore")
+        .acquire()
+        .await
+        .expect("the first permit");
+    let sem = m.lock("given-back-permit").semaphore(2).expect("semaphore");
+
+    let held = proxy.hold_first(shared_sha.as_bytes());
+    let acquiring = tokio::spawn(async move { sem.acquire_timeout(secs(10)).await });
+    assert!(
+        proxy.wait_first_held(held, secs(10)),
+        "the acquire was never sent"
+    );
+    // The grant's answer must come back after the lease's validity (counted from the send).
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+    proxy.pass_first(held);
+    let guard = acquiring
+        .await
+        .expect("acquire task")
+        .expect("a permit is free: granted again after the give-back");
+    assert!(!guard.is_lost());
+    assert!(!first.is_lost());
+    let info = other
+        .lock("given-back-permit")
+        .semaphore(2)
+        .expect("semaphore")
+        .inspect()
+        .await
+        .expect("inspect")
+        .expect("held");
+    assert_eq!(info.shared_holds, Some(2), "{info:?}");
 }
