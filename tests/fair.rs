@@ -19,7 +19,7 @@ use redlease::{
     Backend, Error, LeaseKey, LockGuard, LockManager, LockOptions, MemoryBackend, RedisBackend,
     RedisOptions, RetryPolicy, Token,
 };
-use support::{wait_for_async, Checker, PlainOnly, RedisServer};
+use support::{plain_only, wait_for_async, Checker, RedisServer};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -633,12 +633,12 @@ async fn queue_keys_share_the_hash_tag_and_expire() {
 // A backend without fair locks.
 // ---------------------------------------------------------------------------------------
 
-// (`support::PlainOnly`.)
+// (`support::plain_only`.)
 
 /// Refused when the lock is made, by every way of making a fair lock.
 #[tokio::test]
 async fn fair_over_an_unsupported_backend_is_unsupported() {
-    let store = PlainOnly::default();
+    let store = plain_only();
     let locks = LockManager::new(store.clone());
     for result in [
         locks.lock("x").fair().map(drop),

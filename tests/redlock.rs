@@ -1516,7 +1516,7 @@ fn named_store(msg: &str) -> &str {
 /// alone or among real Redis nodes; the Redis nodes alone make a working Redlock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_cannot_be_a_quorum_member_is_refused_when_the_redlock_is_made() {
-    let plain_only = || support::PlainOnly::default();
+    let plain_only = support::plain_only;
     let msg = unsupported_message(Redlock::new(vec![plain_only(), plain_only(), plain_only()]));
     assert!(msg.contains("cannot be a Redlock node"), "{msg}");
     assert!(

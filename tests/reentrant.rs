@@ -18,7 +18,7 @@ use redlease::{
     Backend, Error, LeaseKey, LockGuard, LockManager, LockOptions, MemoryBackend, Owner,
     RedisBackend, RedisOptions, Redlock, RedlockOptions, RetryPolicy, Token,
 };
-use support::{wait_for_async, Checker, PlainOnly, RedisServer};
+use support::{plain_only, wait_for_async, Checker, RedisServer};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -794,12 +794,12 @@ async fn a_lost_lease_marks_every_guard_of_the_reign_lost() {
 // A backend without reentrant locks.
 // ---------------------------------------------------------------------------------------
 
-// (`support::PlainOnly`.)
+// (`support::plain_only`.)
 
 /// Refused when the lock is made, whatever the handle came from and whoever the owner.
 #[tokio::test]
 async fn reentrant_over_an_unsupported_backend_is_unsupported() {
-    let locks = LockManager::new(PlainOnly::default());
+    let locks = LockManager::new(plain_only());
     let tuned = locks.lock_with("x", |o| o.ttl(ms(500))).unwrap();
     for result in [
         locks.lock("x").reentrant(&Owner::random()),

@@ -22,14 +22,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::{self, Either};
-use redlease::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, Lease, NodeTerms, Release, Subscription,
-};
+use redlease::backend::{Backend, Claim, Subscription};
 use redlease::{
-    LeaseKey, Lock, LockGuard, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend,
-    RetryPolicy,
+    Lock, LockGuard, LockManager, LockOptions, MemoryBackend, RedisBackend, RetryPolicy,
 };
-use support::{held, lease_ms, sleep_async, wait_for, wait_for_async, RedisServer, Resp};
+use support::{
+    held, lease_ms, sleep_async, wait_for, wait_for_async, RedisServer, Resp, Wrap, Wrapped,
+};
 
 /// Bound for every wait on an event (a key disappearing, a waiter subscribing, ...).
 const EVENTUALLY: Duration = Duration::from_secs(5);
@@ -91,43 +90,14 @@ struct WatchedMemory {
 }
 
 #[async_trait::async_trait]
-impl Backend for WatchedMemory {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn acquire(
-        &self,
-        claim: &Claim,
-        attempt: Attempt,
-        terms: NodeTerms,
-    ) -> redlease::Result<Acquire> {
-        self.inner.acquire(claim, attempt, terms).await
-    }
-
-    async fn extend(
-        &self,
-        leases: &[Lease<'_>],
-        terms: NodeTerms,
-    ) -> redlease::Result<Vec<redlease::backend::Extended>> {
-        self.inner.extend(leases, terms).await
-    }
-
-    async fn release(&self, claim: &Claim, how: Release<'_>) -> redlease::Result<Option<u32>> {
-        self.inner.release(claim, how).await
+impl Wrap for WatchedMemory {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
     }
 
     async fn subscribe(&self, claim: &Claim) -> redlease::Result<Subscription> {
         self.subscribes.fetch_add(1, Ordering::SeqCst);
         self.inner.subscribe(claim).await
-    }
-
-    async fn inspect(&self, key: &LeaseKey) -> redlease::Result<Option<LockInfo>> {
-        self.inner.inspect(key).await
-    }
-
-    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> redlease::Result<()> {
-        self.inner.raise_fence(key, at_least).await
     }
 }
 
@@ -222,7 +192,7 @@ async fn memory_smoke(env: Env) {
         env.tokio,
         "tokio context on the caller's thread"
     );
-    let mem = WatchedMemory::default();
+    let mem = Wrapped(WatchedMemory::default());
     let subscribes = mem.subscribes.clone();
     let a = LockManager::new(mem.clone());
     let b = LockManager::new(mem);

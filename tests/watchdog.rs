@@ -7,12 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redlease::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, Extended, Lease, NodeTerms, Release,
-    Subscription,
-};
-use redlease::{LeaseKey, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend};
-use support::RedisServer;
+use redlease::backend::{Acquire, Attempt, Backend, Claim, Extended, Lease, NodeTerms};
+use redlease::{LockManager, LockOptions, MemoryBackend, RedisBackend};
+use support::{RedisServer, Wrap, Wrapped};
 
 const LEASES: usize = 1000;
 
@@ -130,9 +127,9 @@ struct SlowReply {
 }
 
 #[async_trait::async_trait]
-impl Backend for SlowReply {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+impl Wrap for SlowReply {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
     }
 
     async fn acquire(
@@ -167,22 +164,6 @@ impl Backend for SlowReply {
         }
         reply
     }
-
-    async fn release(&self, claim: &Claim, how: Release<'_>) -> redlease::Result<Option<u32>> {
-        self.inner.release(claim, how).await
-    }
-
-    async fn subscribe(&self, claim: &Claim) -> redlease::Result<Subscription> {
-        self.inner.subscribe(claim).await
-    }
-
-    async fn inspect(&self, key: &LeaseKey) -> redlease::Result<Option<LockInfo>> {
-        self.inner.inspect(key).await
-    }
-
-    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> redlease::Result<()> {
-        self.inner.raise_fence(key, at_least).await
-    }
 }
 
 /// The watchdog sends a 3 s extension, then the holder shortens the lease to 200 ms; the
@@ -190,7 +171,7 @@ impl Backend for SlowReply {
 /// the guard's deadline must too: the older confirmation must not push it to 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_older_confirmation_never_moves_the_deadline_past_a_newer_one() {
-    let backend = SlowReply::default();
+    let backend = Wrapped(SlowReply::default());
     let opts = LockOptions::new()
         .ttl(Duration::from_secs(3))
         .watchdog_interval(Duration::from_millis(50));
@@ -221,7 +202,7 @@ async fn an_older_confirmation_never_moves_the_deadline_past_a_newer_one() {
 /// longer one the store may no longer honour.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unanswered_shorter_extension_brings_the_deadline_forward() {
-    let backend = SlowReply::default();
+    let backend = Wrapped(SlowReply::default());
     let opts = LockOptions::new().ttl(Duration::from_secs(5));
     let locks = LockManager::with_options(backend.clone(), opts).unwrap();
     let g = locks.lock("shorter").acquire().await.unwrap();
@@ -240,10 +221,10 @@ async fn an_unanswered_shorter_extension_brings_the_deadline_forward() {
 /// given back, `try_acquire` says it did not get the lock, and the lock is free again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_that_comes_back_too_late_is_given_back() {
-    let backend = SlowReply {
+    let backend = Wrapped(SlowReply {
         grant_delay: Duration::from_millis(150),
         ..SlowReply::default()
-    };
+    });
     let opts = LockOptions::new().ttl(Duration::from_millis(100));
     let locks = LockManager::with_options(backend.clone(), opts).unwrap();
     let lock = locks.lock("late");
@@ -292,7 +273,7 @@ fn watchdog_keeps_running_after_the_runtime_that_started_it_goes_idle() {
 /// while it unwound saw it running and started none: every lease was lost.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leases_of_a_watchdog_task_that_died_are_extended_by_the_next() {
-    let store = SlowReply::default();
+    let store = Wrapped(SlowReply::default());
     store.panic_next.store(true, Ordering::SeqCst);
     // A TTL that a starved machine does not stall through (a lease is lost, rightly, when
     // its holder goes that long without an extension), and many ticks within it.

@@ -6,11 +6,9 @@ mod support;
 
 use std::time::Duration;
 
-use redlease::backend::{
-    Acquire, Attempt, Backend, Capabilities, Claim, Lease, NodeTerms, Release, Subscription,
-};
-use redlease::{LeaseKey, LockInfo, LockManager, LockOptions, RedisBackend};
-use support::RedisServer;
+use redlease::backend::{Backend, Lease, NodeTerms};
+use redlease::{LockManager, LockOptions, RedisBackend};
+use support::{RedisServer, Wrap, Wrapped};
 
 /// A Redis store whose extensions cost a fixed time per lease on top of the server's own
 /// (a busy server's cost, the same on a loaded test machine as on a quiet one).
@@ -21,18 +19,9 @@ struct PerLeaseCost {
 }
 
 #[async_trait::async_trait]
-impl Backend for PerLeaseCost {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn acquire(
-        &self,
-        claim: &Claim,
-        attempt: Attempt,
-        terms: NodeTerms,
-    ) -> redlease::Result<Acquire> {
-        self.inner.acquire(claim, attempt, terms).await
+impl Wrap for PerLeaseCost {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
     }
 
     async fn extend(
@@ -43,22 +32,6 @@ impl Backend for PerLeaseCost {
         let cost = self.per_lease * u32::try_from(leases.len()).unwrap_or(u32::MAX);
         tokio::time::sleep(cost).await;
         self.inner.extend(leases, terms).await
-    }
-
-    async fn release(&self, claim: &Claim, how: Release<'_>) -> redlease::Result<Option<u32>> {
-        self.inner.release(claim, how).await
-    }
-
-    async fn subscribe(&self, claim: &Claim) -> redlease::Result<Subscription> {
-        self.inner.subscribe(claim).await
-    }
-
-    async fn inspect(&self, key: &LeaseKey) -> redlease::Result<Option<LockInfo>> {
-        self.inner.inspect(key).await
-    }
-
-    async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> redlease::Result<()> {
-        self.inner.raise_fence(key, at_least).await
     }
 }
 
@@ -71,10 +44,10 @@ impl Backend for PerLeaseCost {
 async fn a_short_lease_is_not_lost_behind_a_round_of_long_ones() {
     const BULK: usize = 5_000;
     let srv = RedisServer::start();
-    let backend = PerLeaseCost {
+    let backend = Wrapped(PerLeaseCost {
         inner: RedisBackend::connect(&srv.url()).await.unwrap(),
         per_lease: Duration::from_micros(80),
-    };
+    });
     let opts = LockOptions::new().ttl(Duration::from_secs(3));
     let locks = LockManager::with_options(backend, opts).unwrap();
     let mut bulk = Vec::with_capacity(BULK);

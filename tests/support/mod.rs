@@ -8,7 +8,8 @@
 //! * [`SharedChecker`]: at most N permit holders, a writer alone, writers' tokens above all.
 //! * [`Store`]: a test's leases in memory or on a server it started; [`within`] [`SOON`].
 //! * [`wait_for`] / [`wait_for_async`]: bounded polling instead of sleeps.
-//! * [`PlainOnly`]: a backend that serves plain claims only.
+//! * [`Wrap`] / [`Wrapped`]: a test store that passes calls on to another but the ones it
+//!   changes; [`plain_only`]: one that serves plain claims only.
 //! * [`Proxy`]: a loopback TCP proxy that can hold back a client's command.
 //! * [`holder`] / [`lease_ms`] / [`field`]: a lock's record on a test server.
 //!
@@ -18,7 +19,6 @@
 
 mod checker;
 mod cluster;
-mod plain;
 mod proxy;
 mod record;
 mod sentinel;
@@ -26,10 +26,10 @@ mod server;
 mod shared_checker;
 mod store;
 mod wait;
+mod wrap;
 
 pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
-pub use plain::PlainOnly;
 pub use proxy::Proxy;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;
@@ -37,6 +37,7 @@ pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
 pub use shared_checker::{SharedChecker, SharedSection};
 pub use store::{within, Store, SOON};
 pub use wait::wait_for_interval;
+pub use wrap::{plain_only, Wrap, Wrapped};
 
 use std::future::Future;
 use std::pin::Pin;
