@@ -796,6 +796,74 @@ async fn a_restart_without_persistence_tells_holders_at_the_reconnect() {
     assert!(!g.is_lost(), "a reconnect to the same server loses nothing");
 }
 
+/// With a restart quarantine, a server restarted empty grants nothing until every lease it
+/// had granted has run out by its holder's reckoning. The first holder's watchdog is off, so
+/// nothing tells it of the restart: without the quarantine, the second client is granted
+/// the lock while the first guard is still valid. Leases longer than the quarantine are
+/// refused, and a fresh server waits out its quarantine too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_quarantine_keeps_a_restarted_server_from_granting_a_held_lock() {
+    let quarantine = secs(3);
+    let mut srv = RedisServer::start();
+    let opts = redis_opts()
+        .connect_timeout(secs(2))
+        .restart_quarantine(quarantine);
+    let ttl = secs(2);
+    let quarantined = || async {
+        let b = RedisBackend::connect_with(&srv.url(), opts.clone())
+            .await
+            .expect("connect");
+        LockManager::with_options(b, LockOptions::new().ttl(ttl).watchdog(false)).expect("options")
+    };
+    let (a, b) = (quarantined().await, quarantined().await);
+    let year_and_a_day = secs(366 * 24 * 3600);
+    let refused =
+        RedisBackend::connect_with(&srv.url(), opts.clone().restart_quarantine(year_and_a_day))
+            .await
+            .expect_err("a quarantine longer than any TTL");
+    assert!(matches!(refused, Error::InvalidConfig(_)), "{refused}");
+
+    // A fresh server is in its quarantine: nothing yet, then the lock once it has passed.
+    let fresh = a.lock("quarantined").try_acquire().await.expect("attempt");
+    let first = match fresh {
+        Some(g) => g,
+        None => a
+            .lock("quarantined")
+            .acquire_timeout(secs(10))
+            .await
+            .expect("granted once the fresh server has been up for the quarantine"),
+    };
+    let too_long = a
+        .lock_with("too-long", |o| o.ttl(secs(4)))
+        .expect("options")
+        .try_acquire()
+        .await
+        .expect_err("a lease longer than the quarantine");
+    assert!(
+        matches!(&too_long, Error::InvalidConfig(m) if m.contains("quarantine")),
+        "{too_long}"
+    );
+    let extended = first
+        .extend(secs(4))
+        .await
+        .expect_err("an extension past the quarantine");
+    assert!(matches!(extended, Error::InvalidConfig(_)), "{extended}");
+
+    srv.restart();
+    let second = b
+        .lock("quarantined")
+        .acquire_timeout(secs(15))
+        .await
+        .expect("granted after the restarted server's quarantine");
+    let granted = Instant::now();
+    assert!(
+        granted >= first.valid_until(),
+        "granted {:?} before the first guard's validity ended",
+        first.valid_until() - granted
+    );
+    drop(second);
+}
+
 // ---------------------------------------------------------------------------------------
 // 7. Server paused (SIGSTOP): calls fail within the command timeout, then work again.
 // ---------------------------------------------------------------------------------------

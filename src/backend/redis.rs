@@ -95,6 +95,8 @@ pub struct RedisBackend {
     inner: Arc<Inner>,
     /// On a cluster: every primary's backend, and the slot table that routes to them.
     shards: Option<Arc<shards::Shards>>,
+    /// The restart quarantine (zero: off); see `RedisOptions::restart_quarantine`.
+    quarantine: Duration,
 }
 
 struct Inner {
@@ -402,6 +404,55 @@ impl RedisBackend {
     }
 }
 
+impl RedisBackend {
+    /// This backend with a restart quarantine (see
+    /// [`RedisOptions::restart_quarantine`](crate::RedisOptions::restart_quarantine)): for
+    /// one made with [`from_client`](Self::from_client), which takes no options. Zero turns
+    /// it off.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fred::clients::Client) -> redlease::Result<()> {
+    /// use std::time::Duration;
+    /// let backend = redlease::RedisBackend::from_client(client)
+    ///     .await?
+    ///     .with_restart_quarantine(Duration::from_secs(30));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_restart_quarantine(mut self, d: Duration) -> Self {
+        self.quarantine = d;
+        self
+    }
+
+    /// `terms` for an acquire of a lease of `ttl`, with the restart quarantine (unless a
+    /// quorum asks for its own uptime): the server grants nothing until it has been up that
+    /// long. A lease longer than the quarantine could outlive it: refused.
+    fn quarantined(&self, terms: NodeTerms, ttl: Duration) -> Result<NodeTerms> {
+        if self.quarantine.is_zero() || !terms.min_uptime.is_zero() {
+            return Ok(terms);
+        }
+        if ttl > self.quarantine {
+            return Err(self.too_long(ttl));
+        }
+        Ok(terms.min_uptime(self.quarantine))
+    }
+
+    /// Whether some of `leases` are longer than the restart quarantine (a quorum's own
+    /// terms aside).
+    fn quarantine_refuses(&self, leases: &[Lease<'_>], terms: NodeTerms) -> bool {
+        !self.quarantine.is_zero()
+            && terms.min_uptime.is_zero()
+            && leases.iter().any(|l| l.ttl > self.quarantine)
+    }
+
+    fn too_long(&self, ttl: Duration) -> Error {
+        Error::invalid(format!(
+            "a lease of {ttl:?} is longer than the server's restart quarantine ({:?}), which \
+             must outlast every lease granted before a restart",
+            self.quarantine
+        ))
+    }
+}
+
 #[async_trait]
 impl Backend for RedisBackend {
     fn capabilities(&self) -> Capabilities {
@@ -410,11 +461,30 @@ impl Backend for RedisBackend {
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         // Numbered as it is made, before anything is awaited (see `ops::next_sent`).
-        self.acquire_sent(claim, attempt, terms, ops::next_sent())
-            .await
+        let sent = ops::next_sent();
+        let terms = self.quarantined(terms, claim.ttl)?;
+        self.acquire_sent(claim, attempt, terms, sent).await
     }
 
     async fn extend(&self, leases: &[Lease<'_>], terms: NodeTerms) -> Result<Vec<Extended>> {
+        if self.quarantine_refuses(leases, terms) {
+            // Only the leases within the quarantine go to the server.
+            let within: Vec<Lease<'_>> = leases
+                .iter()
+                .filter(|l| l.ttl <= self.quarantine)
+                .cloned()
+                .collect();
+            let mut answers = Box::pin(self.extend(&within, terms)).await?.into_iter();
+            return Ok(leases
+                .iter()
+                .map(|l| match l.ttl <= self.quarantine {
+                    true => answers
+                        .next()
+                        .unwrap_or_else(|| Extended::Failed(Error::backend("no answer"))),
+                    false => Extended::Failed(self.too_long(l.ttl)),
+                })
+                .collect());
+        }
         if let Some(shards) = &self.shards {
             return Ok(shards.extend(leases, terms).await);
         }

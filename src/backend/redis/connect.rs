@@ -50,6 +50,9 @@ pub struct RedisOptions {
     /// How many replicas must have a grant or an extension before it is reported; see
     /// [`replica_ack`](Self::replica_ack()). Default [`ReplicaAck::Off`](super::ReplicaAck::Off).
     pub replica_ack: super::ReplicaAck,
+    /// How long a server grants nothing after it starts; see
+    /// [`restart_quarantine`](Self::restart_quarantine()). Default zero: off.
+    pub restart_quarantine: Duration,
     /// TLS settings for `rediss://` URLs; see [`tls`](Self::tls()). Default: the system's
     /// roots, no client certificate, the URL's host as the server name.
     #[cfg(feature = "tls")]
@@ -64,6 +67,7 @@ impl Default for RedisOptions {
             max_command_attempts: 3,
             allow_eviction: false,
             replica_ack: super::ReplicaAck::Off,
+            restart_quarantine: Duration::ZERO,
             #[cfg(feature = "tls")]
             tls: super::TlsOptions::default(),
         }
@@ -142,6 +146,38 @@ impl RedisOptions {
         self
     }
 
+    /// A restart quarantine: the server grants nothing until it has been up this long (its
+    /// own uptime, read in the same script as the grant), and no lease is granted or
+    /// extended for longer (such an acquire or extension fails with
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig)). Set it to at least your
+    /// longest TTL. Defaults to zero: off.
+    ///
+    /// What it closes: a server without persistence (or with `appendfsync everysec`, which
+    /// may lose its last second) that restarts comes back without the leases it had granted,
+    /// and another client could take a lock while the old holder's guard was still valid
+    /// (the README's "A server that comes back empty"). With the quarantine, every lease
+    /// granted before the restart has run out by the holder's own reckoning before the
+    /// server grants again. What it costs: after every restart of the server (a deploy, a
+    /// crash), and for that long after it first starts, acquires wait (`try_acquire`
+    /// answers `None`). Holders of leases that survived on the server (with AOF) keep them:
+    /// extensions are not held back. On a cluster it holds for each primary; a failover to a
+    /// replica is what [`replica_ack`](Self::replica_ack()) covers. A Redlock's own
+    /// quarantine ([`RedlockOptions`](crate::RedlockOptions)) applies to its nodes instead.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// use std::time::Duration;
+    /// use redlease::{LockManager, LockOptions, RedisBackend, RedisOptions};
+    /// let options = RedisOptions::new().restart_quarantine(Duration::from_secs(30));
+    /// let backend = RedisBackend::connect_with("redis://127.0.0.1:6379", options).await?;
+    /// let locks = LockManager::with_options(backend, LockOptions::new().ttl(Duration::from_secs(30)))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn restart_quarantine(mut self, d: Duration) -> Self {
+        self.restart_quarantine = d;
+        self
+    }
+
     /// TLS settings for a `rediss://` URL (feature `tls`): a private CA to trust instead of
     /// the system's roots, a client certificate for `tls-auth-clients yes`, the name to check
     /// the server's certificate against. See [`TlsOptions`](super::TlsOptions). A plain
@@ -180,6 +216,13 @@ impl RedisOptions {
         }
         if self.max_command_attempts == 0 {
             return Err(Error::invalid("max_command_attempts must be at least 1"));
+        }
+        if self.restart_quarantine > crate::options::MAX_TTL {
+            return Err(Error::invalid(format!(
+                "the restart quarantine must be at most the longest TTL ({:?}), got {:?}",
+                crate::options::MAX_TTL,
+                self.restart_quarantine
+            )));
         }
         self.replica_ack.validate(self.command_timeout)
     }
@@ -297,12 +340,15 @@ impl RedisBackend {
         }
         #[cfg(not(feature = "tls"))]
         let _ = tls; // `parse_url` refused a TLS URL
-        if config.server.is_clustered() {
+        let quarantine = options.restart_quarantine;
+        let backend = if config.server.is_clustered() {
             // One connection per primary (see `shards`): the seeds are asked for the slot
             // table now, whether or not the call waits (a cluster's routes must be known).
-            return super::shards::Shards::backend(config, NodeSettings::Options(options)).await;
-        }
-        Self::open_node(config, options, wait, false).await
+            super::shards::Shards::backend(config, NodeSettings::Options(options)).await?
+        } else {
+            Self::open_node(config, options, wait, false).await?
+        };
+        Ok(backend.with_restart_quarantine(quarantine))
     }
 
     /// A backend over one server's connection made from `config`; `slots`: the server is a
@@ -513,6 +559,7 @@ impl RedisBackend {
         Ok(RedisBackend {
             shards: None,
             inner,
+            quarantine: Duration::ZERO,
         })
     }
 

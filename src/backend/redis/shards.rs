@@ -119,6 +119,7 @@ impl Shards {
         Ok(RedisBackend {
             inner: first.inner,
             shards: Some(shards),
+            quarantine: Duration::ZERO,
         })
     }
 
