@@ -1,6 +1,6 @@
 //! Every check at CI's bounds: the protocol as written finds exactly the counterexamples its
 //! stated limits predict, and each mutant finds its own.
-use redlease_model::{check, checks, Action, Check, ABANDONED, EXCLUSION};
+use redlease_model::{check, checks, Action, Check, ABANDONED, EXCLUSION, RELEASED};
 
 fn named(name: &str) -> Check {
     checks(false)
@@ -11,6 +11,11 @@ fn named(name: &str) -> Check {
 
 /// Runs a check of the protocol as written: exactly the expected properties fail.
 fn exact(name: &str) {
+    outcome(name);
+}
+
+/// [`exact`], returning what the check found.
+fn outcome(name: &str) -> redlease_model::Outcome {
     let c = named(name);
     let o = check(c.setup.clone(), 2, None);
     let found: Vec<&str> = o.found.iter().map(|(p, _)| *p).collect();
@@ -22,6 +27,7 @@ fn exact(name: &str) {
     want.sort_unstable();
     assert_eq!(found, want, "{name}: {:?}", o.found);
     assert!(o.unique > 1000, "{name} explored too little: {}", o.unique);
+    o
 }
 
 /// Runs a mutant until its counterexamples appear; returns them.
@@ -41,6 +47,31 @@ fn mutant(name: &str) -> redlease_model::Outcome {
 #[test]
 fn single_reconnects_keep_send_order() {
     exact("single: reconnects, re-sends, waiters, extensions");
+}
+
+#[test]
+fn single_late_acquire_after_its_lease_ran_out_is_a_limit() {
+    let o = outcome("single: a late acquire after its lease ran out (limit)");
+    let t = o.trace(RELEASED).expect("checked");
+    // A copy of an acquire left on a dropped connection runs after its token's release.
+    let reconnect = t
+        .iter()
+        .position(|a| matches!(a, Action::Reconnect(..)))
+        .unwrap_or_else(|| panic!("a reconnect: {t:?}"));
+    let Action::Reconnect(c, _) = t[reconnect] else {
+        unreachable!()
+    };
+    let release = t
+        .iter()
+        .position(|a| *a == Action::Release(c))
+        .unwrap_or_else(|| panic!("its release: {t:?}"));
+    assert!(
+        reconnect < release
+            && t[release..]
+                .iter()
+                .any(|a| matches!(a, Action::DeliverStale(s, ..) if *s == c)),
+        "the stale copy runs after the release: {t:?}"
+    );
 }
 
 #[test]
@@ -89,6 +120,16 @@ fn redlock_restart_with_quarantine() {
 }
 
 #[test]
+fn redlock5_restarts_with_quarantine_random_walks() {
+    exact("redlock 5: restarts without persistence, quarantine, random walks");
+}
+
+#[test]
+fn redlock5_restarts_reconnects_give_ups_are_limits() {
+    exact("redlock 5: restarts, reconnects, give-ups, random walks (limit)");
+}
+
+#[test]
 fn redlock_gain_and_reconnects() {
     exact("redlock 3: clock gain, reconnects");
 }
@@ -118,6 +159,39 @@ fn mutant_no_quarantine_gives_the_redlock_counterexample() {
     assert!(t[restart..]
         .iter()
         .any(|a| matches!(a, Action::Deliver(_, m) if *m == n)));
+}
+
+#[test]
+fn mutant_redlock5_no_quarantine_gives_the_redlock_counterexample() {
+    let o = mutant("mutant: redlock 5 without the quarantine, random walks");
+    let t = o.trace(EXCLUSION).expect("checked");
+    // One client's grant on node n is lost in n's crash; after n's restart the other client's
+    // grant there completes a second majority (3 of 5).
+    let crash = t
+        .iter()
+        .position(|a| matches!(a, Action::Crash(_)))
+        .unwrap_or_else(|| panic!("a crash: {t:?}"));
+    let Action::Crash(n) = t[crash] else {
+        unreachable!()
+    };
+    let restart = t
+        .iter()
+        .position(|a| *a == Action::Restart(n))
+        .unwrap_or_else(|| panic!("its restart: {t:?}"));
+    let before: Vec<u8> = t[..crash]
+        .iter()
+        .filter_map(|a| match a {
+            Action::Deliver(c, m) if *m == n => Some(*c),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        t[restart..]
+            .iter()
+            .any(|a| matches!(a, Action::Deliver(c, m) if *m == n && !before.contains(c))),
+        "another client is granted on the restarted node: {t:?}"
+    );
+    assert!(t.len() <= 30, "shrunk: {t:?}");
 }
 
 #[test]
