@@ -140,6 +140,11 @@ pub struct Setup {
     pub drift: i16,
     /// How far a server's clock may gain on real time, ticks.
     pub gain: i16,
+    /// How far a server's clock may be set back during a run, ticks (one at a time).
+    pub back: i16,
+    /// A clock may be set back behind real time; otherwise only while it is ahead (a clock
+    /// that ran ahead, set right).
+    pub behind: bool,
     /// The waiters-flag TTL each client sends (0: not waiting), per client.
     pub flags: Vec<i16>,
     /// Real time ends here.
@@ -199,6 +204,8 @@ impl Setup {
             ttl: 3,
             drift: 1,
             gain: 0,
+            back: 0,
+            behind: false,
             flags: vec![0, 0],
             horizon: 3,
             claims: 1,
@@ -395,8 +402,10 @@ pub struct Node {
     pub down_at: i16,
     /// When it started (its own clock); `None`: long ago.
     pub started: Option<i16>,
-    /// How far its clock is ahead of real time.
+    /// How far its clock is ahead of real time (negative: behind).
     pub ahead: i16,
+    /// How far its clock was set back so far, ticks.
+    pub set_back: i16,
     /// The data.
     pub data: Data,
     /// What AOF `everysec` has on disk.
@@ -455,6 +464,8 @@ pub enum Action {
     Tick,
     /// Server `n`'s clock gains a tick.
     Gain(u8),
+    /// Server `n`'s clock is set back a tick (an operator's or NTP's step).
+    SetBack(u8),
     /// Client `c` makes a new claim.
     Start(u8),
     /// Client `c` re-checks (a new round of its claim).
@@ -844,6 +855,7 @@ impl Model for Lease {
             down_at: 0,
             started: None,
             ahead: 0,
+            set_back: 0,
             data: Data::default(),
             durable: Data::default(),
             replica: (Data::default(), 0),
@@ -894,8 +906,12 @@ impl Model for Lease {
                 }
                 continue;
             }
-            if node.ahead < setup.gain {
+            // (The gain counts in full: a clock set back does not gain again.)
+            if node.ahead + node.set_back < setup.gain {
                 out.push(Action::Gain(n));
+            }
+            if node.set_back < setup.back && (setup.behind || node.ahead > 0) {
+                out.push(Action::SetBack(n));
             }
             if fault && node.up && setup.crash.is_some() {
                 out.push(Action::Crash(n));
@@ -971,6 +987,11 @@ impl Model for Lease {
                 }
             }
             Action::Gain(n) => s.nodes[usize::from(n)].ahead += 1,
+            Action::SetBack(n) => {
+                let node = &mut s.nodes[usize::from(n)];
+                node.ahead -= 1;
+                node.set_back += 1;
+            }
             Action::Start(c) => {
                 let cl = &mut s.clients[usize::from(c)];
                 cl.tok = token(c, cl.claims);
@@ -1363,6 +1384,37 @@ pub fn checks(deep: bool) -> Vec<Check> {
             }),
             fails: &[],
         },
+        // Breadth first, exhaustive to the horizon. A server clock that gains a tick and is
+        // set back two (right, then one behind real time), at any moment, without a crash:
+        // nothing fails. The fencing counter is kept, and a token is at least the counter
+        // plus one whatever the clock says; a lease's and a flag's ends are the server's
+        // clock's, so a clock set back makes them last longer in real time (the server
+        // refuses others longer, never shorter); a guard's validity is the client's own clock.
+        Check {
+            name: "single: clock set back, no crash",
+            setup: single(&|s| {
+                s.gain = 1;
+                s.back = 2;
+                s.behind = true;
+                s.extend = true;
+            }),
+            fails: &[],
+        },
+        // Breadth first, exhaustive to the horizon: a clock that ran a tick ahead, set right,
+        // then a crash without persistence. The restarted server's counter starts from its
+        // clock's floor, which is now no higher than tokens it handed out while ahead: a
+        // token not above an earlier one (`FENCES`; the model's restart takes a tick, so the
+        // new token equals the old, and a jump longer than the restart gives a lower one, as
+        // the nemesis saw). The other two are a restart without persistence's own.
+        Check {
+            name: "single: clock ahead, set right, crash without persistence (limit)",
+            setup: single(&|s| {
+                s.gain = 1;
+                s.back = 1;
+                s.crash = Some(Persistence::None);
+            }),
+            fails: &[ABANDONED, EXCLUSION, FENCES],
+        },
         Check {
             name: "single: crash, AOF always",
             setup: single(&|s| s.crash = Some(Persistence::Always)),
@@ -1443,6 +1495,19 @@ pub fn checks(deep: bool) -> Vec<Check> {
             name: "redlock 3: clock gain, reconnects",
             setup: redlock(3, &|s| {
                 s.gain = 1;
+                s.reconnects = true;
+            }),
+            fails: &[],
+        },
+        // Breadth first to the 1.5M-state cap: a node's clock set back a tick behind real time
+        // at any moment, with reconnects. Nothing fails, for the reasons of the single
+        // server's check; the fence's floor (the client's clock plus a tick) is capped at the
+        // node's clock plus two ticks, and the counter keeps the order.
+        Check {
+            name: "redlock 3: clock set back, reconnects",
+            setup: redlock(3, &|s| {
+                s.back = 1;
+                s.behind = true;
                 s.reconnects = true;
             }),
             fails: &[],
