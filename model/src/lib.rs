@@ -48,14 +48,19 @@
 //! failover to a replica that has some earlier copy of the data (`Replicate` copies it at
 //! any moment), with or without replica acknowledgement (a grant or an extension is read by
 //! its client only once the replica has it). A server clock that gains on real time, up to a
-//! bound. Client pauses need no action: time passes while a client does nothing, and its
-//! belief in its guard ends at its own `valid_until`.
+//! bound ([`Setup::gain`]), and one set back ([`Action::SetBack`], up to [`Setup::back`]
+//! ticks: only while it is ahead, a clock set right, or behind real time too with
+//! [`Setup::behind`]). Client pauses need no action: time passes while a client does
+//! nothing, and its belief in its guard ends at its own `valid_until`.
 //!
 //! # Assumptions (what the checks rely on)
 //!
-//! - A server's clock never goes backwards, and gains on the clients' clocks by at most
-//!   [`Setup::gain`] ticks during a run; the clients' drift margin covers that gain (the
-//!   `clock_jump` check shows what breaks past it).
+//! - A server's clock gains on the clients' clocks by at most [`Setup::gain`] ticks during a
+//!   run (a clock set back does not gain it again); the clients' drift margin covers that
+//!   gain ("clock gain past the drift margin" shows what breaks past it). It may be set
+//!   back: alone that is harmless ("clock set back"); set right after running ahead, then
+//!   restarted without persistence, it hands out tokens no higher than earlier ones ("clock
+//!   ahead, set right, crash without persistence").
 //! - A server runs fewer than [`scripts::SCALE`] scripts per tick (a token's clock floor is
 //!   µs), and a restart or a failover takes at least one tick.
 //! - The restart quarantine is at least the longest TTL (`max_lease`), as redlock.rs
@@ -68,12 +73,36 @@
 //! recorded, and the checks ask whether it published while a waiter was registered), the
 //! fair queue, reentrant holds, batching (one lease per call), the hour-long tombstone
 //! (it outlives every bounded run), Redis's key expiry (the scripts compare `e` themselves).
+//! A clock that gains a tick while a lease runs is as close as the model comes to a rate;
+//! a restart takes a whole tick, so a token handed out after a clock set right equals,
+//! rather than undercuts, one handed out while it was ahead (the test replays a lower one).
+//!
+//! # How the states are searched
+//!
+//! Breadth first ([`Search::Bfs`]) for one server and for Redlock over 3 nodes: exhaustive
+//! to the horizon, or to a state cap ([`Setup::cap`]: the longest path explored is then the
+//! depth checked exhaustively). Over 5 nodes breadth first does not reach a second client's
+//! round within any cap CI affords, so those checks take seeded random walks
+//! ([`Search::Walks`], stateright's simulation on one thread: the same walks every run)
+//! over a longer run (8 ticks, 2 claims, 3 crashes) until a state count; not exhaustive.
+//! A walk's counterexample is shrunk ([`shrink`]) to a short run of the model.
+//!
+//! # Stated limits the checks found
+//!
+//! Besides the persistence and failover limits: a lease that ran out is not kept as `r`
+//! when the next token is granted, so its token's release leaves no trace there, and a copy
+//! of its acquire from a dropped connection, run after the release, is granted ("a late
+//! acquire after its lease ran out"); on Redlock the same holds on a node where the token
+//! never held the lease. No guard believes in such a lease (its client released); it holds
+//! that server, or that node, one TTL.
 //!
 //! # Running it
 //!
 //! `cargo test -p redlease-model --release` runs the bounded checks (each a test, the
 //! mutants included). `cargo run --release -p redlease-model -- --deep` runs every check at
-//! larger bounds and prints states, unique states, depth and time for each.
+//! larger bounds (a tick more, Redlock 3 to 20M states, the 5-node walks to 30M) and prints
+//! states, unique states (for walks: states visited), depth and time for each; `--trace`
+//! prints the counterexamples.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
