@@ -26,8 +26,8 @@ struct Cli {
 enum Mode {
     /// Runs configurations under a seeded schedule of faults and checks the records.
     Run {
-        /// Configurations, comma-separated: single, single-aof, redlock5, cluster, sentinel,
-        /// sentinel-ack.
+        /// Configurations, comma-separated: single, single-aof, single-quarantine, redlock5,
+        /// cluster, sentinel, sentinel-ack.
         #[arg(long, default_value = "single", value_delimiter = ',')]
         config: Vec<Config>,
         /// Seconds of workload per configuration.

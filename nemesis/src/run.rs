@@ -162,6 +162,7 @@ pub fn run(spec: &RunSpec) -> Report {
                 urls: urls(id),
                 redlock: spec.config == Config::Redlock5,
                 replica_ack: spec.config.replica_ack(),
+                restart_quarantine_ms: spec.config.restart_quarantine().as_millis() as u64,
                 fence_url: topo.fence.url(),
                 out: spec.dir.join(format!("worker{id}.rec")),
                 until_ns,

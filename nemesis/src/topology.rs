@@ -33,6 +33,10 @@ pub enum Config {
     Single,
     /// One server, `appendonly yes`, `appendfsync everysec`: a kill loses up to ~1 s.
     SingleAof,
+    /// One server, no persistence, and the clients' restart quarantine
+    /// (`RedisOptions::restart_quarantine`, at the workload's longest TTL): a kill must lose
+    /// no lease a holder still counts valid.
+    SingleQuarantine,
     /// Redlock over 5 servers without persistence, with the restart quarantine.
     Redlock5,
     /// A Redis Cluster of 3 primaries with a replica each, no persistence, no `ReplicaAck`:
@@ -49,9 +53,10 @@ pub enum Config {
 
 impl Config {
     /// All configurations, in the order a run takes them.
-    pub const ALL: [Config; 6] = [
+    pub const ALL: [Config; 7] = [
         Config::Single,
         Config::SingleAof,
+        Config::SingleQuarantine,
         Config::Redlock5,
         Config::Cluster,
         Config::Sentinel,
@@ -64,6 +69,14 @@ impl Config {
         match self {
             Config::SentinelAck => SENTINEL_REPLICAS as u32,
             _ => 0,
+        }
+    }
+
+    /// The clients' restart quarantine (zero: none).
+    pub fn restart_quarantine(self) -> Duration {
+        match self {
+            Config::SingleQuarantine => crate::workload::LONGEST_TTL,
+            _ => Duration::ZERO,
         }
     }
 
@@ -91,6 +104,7 @@ impl fmt::Display for Config {
         f.write_str(match self {
             Config::Single => "single",
             Config::SingleAof => "single-aof",
+            Config::SingleQuarantine => "single-quarantine",
             Config::Redlock5 => "redlock5",
             Config::Cluster => "cluster",
             Config::Sentinel => "sentinel",
@@ -107,8 +121,8 @@ impl FromStr for Config {
             .find(|c| c.to_string() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown configuration {s:?} (single, single-aof, redlock5, cluster, \
-                     sentinel, sentinel-ack)"
+                    "unknown configuration {s:?} (single, single-aof, single-quarantine, \
+                     redlock5, cluster, sentinel, sentinel-ack)"
                 )
             })
     }
@@ -380,7 +394,11 @@ impl Topology {
             };
         }
         let (count, args): (usize, &[&str]) = match config {
-            Config::Single | Config::Cluster | Config::Sentinel | Config::SentinelAck => (1, &[]),
+            Config::Single
+            | Config::SingleQuarantine
+            | Config::Cluster
+            | Config::Sentinel
+            | Config::SentinelAck => (1, &[]),
             Config::SingleAof => (1, &["--appendonly", "yes", "--appendfsync", "everysec"]),
             Config::Redlock5 => (5, &[]),
         };

@@ -36,6 +36,10 @@ use crate::record::{instant_ns, mono_ns, FenceWrite, Kind, Recorder, Section};
 pub const NAMES: usize = 4;
 /// Permits of each semaphore.
 pub const PERMITS: u32 = 2;
+/// The longest TTL a section takes (see [`TTLS`]).
+pub const LONGEST_TTL: Duration = Duration::from_millis(1000);
+/// The TTLs a section picks from, ms.
+const TTLS: [u64; 3] = [300, 500, 1000];
 /// How long an acquire waits before it gives up (and the task tries another section).
 const WAIT: Duration = Duration::from_secs(5);
 /// The Redlock deployment's longest lease and restart quarantine (short, for a test).
@@ -60,6 +64,9 @@ pub struct WorkerConfig {
     /// How many replicas must acknowledge each grant and extension (0: `ReplicaAck::Off`).
     #[arg(long, default_value_t = 0)]
     pub replica_ack: u32,
+    /// The restart quarantine, ms (`RedisOptions::restart_quarantine`; 0: none).
+    #[arg(long, default_value_t = 0)]
+    pub restart_quarantine_ms: u64,
     /// The fenced resource's server.
     #[arg(long)]
     pub fence_url: String,
@@ -86,6 +93,7 @@ impl WorkerConfig {
             format!("--seed={}", self.seed),
             format!("--urls={}", self.urls.join(",")),
             format!("--replica-ack={}", self.replica_ack),
+            format!("--restart-quarantine-ms={}", self.restart_quarantine_ms),
             format!("--fence-url={}", self.fence_url),
             format!("--out={}", self.out.display()),
             format!("--until-ns={}", self.until_ns),
@@ -144,6 +152,7 @@ pub async fn run(cfg: WorkerConfig) -> io::Result<WorkerStats> {
     if cfg.replica_ack > 0 {
         redis = redis.replica_ack(ReplicaAck::replicas(cfg.replica_ack));
     }
+    redis = redis.restart_quarantine(Duration::from_millis(cfg.restart_quarantine_ms));
     let defaults = LockOptions::new()
         .watchdog(!cfg.mutant)
         .wait_timeout(Some(WAIT));
@@ -250,7 +259,7 @@ impl Worker {
         seq: u64,
         pick: Pick,
     ) -> io::Result<()> {
-        let ttl = Duration::from_millis([300, 500, 1000][rng.random_range(0..3)]);
+        let ttl = Duration::from_millis(TTLS[rng.random_range(0..TTLS.len())]);
         let long = if self.cfg.mutant {
             rng.random_ratio(1, 3)
         } else {
