@@ -23,8 +23,8 @@
 //! apart, as *after data loss*: the README states that limit ("another client may take
 //! those locks from the moment the server is back: fence"). One after a server's wall clock
 //! jumped forward under the earlier lease is counted apart as *after a clock jump*, and so is
-//! a token lower than an earlier hold's after a clock that ran ahead and then a restart that
-//! lost data (the README's exception to "tokens never go backwards").
+//! a token lower than an earlier hold's after a restart that lost data on a server whose
+//! clock was off (the README's exception to "tokens never go backwards").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -282,11 +282,12 @@ impl Excuses<'_> {
 
 impl Excuses<'_> {
     /// Whether hold `s`'s token, not above the earlier hold `a`'s, is the stated limit of a
-    /// clock that ran ahead and a restart that lost data: a server's wall clock was set
-    /// ahead by J ms before `a` entered (the fencing counter then counts from that clock's
-    /// µs), and between `a`'s ask and `s`'s enter that server restarted without its data
-    /// less than J after the clock was set right, so the counter started again from a clock
-    /// floor below the tokens already issued.
+    /// restart that lost data on a server whose clock was off: the restart lost the fencing
+    /// counter, and the next token counts from the server clock's µs, which was below the
+    /// tokens already issued. Either the clock had been set ahead by J ms before `a` entered
+    /// (the counter counted from that clock), and the server restarted, between `a`'s ask
+    /// and `s`'s enter, less than J after the clock was set right; or the server restarted
+    /// after `a`'s ask and its clock was set behind when `s` was asked for.
     fn lower_token(&self, a: &Section, s: &Section) -> bool {
         let server = |f: &FaultEvent| f.target.split(':').next().unwrap_or_default().to_string();
         self.faults
@@ -294,22 +295,30 @@ impl Excuses<'_> {
             .filter(|l| l.data_loss && a.asked <= l.end && l.start <= s.enter)
             .any(|l| {
                 self.faults.iter().any(|c| {
-                    ahead_ms(c).is_some_and(|j| {
-                        server(c) == server(l)
-                            && c.start < a.enter
-                            && c.start <= l.start
-                            && l.start <= c.end.saturating_add(j.saturating_mul(1_000_000))
-                    })
+                    server(c) == server(l)
+                        && match clock_jump_ms(c) {
+                            Some(j) if j > 0 => {
+                                let j = j.unsigned_abs().saturating_mul(1_000_000);
+                                c.start < a.enter
+                                    && c.start <= l.start
+                                    && l.start <= c.end.saturating_add(j)
+                            }
+                            Some(_) => c.start <= s.enter && s.asked <= c.end,
+                            None => false,
+                        }
                 })
             })
     }
 }
 
-/// How far ahead a clock fault set its server's clock, ms (`server2:+5300ms`); `None` for
-/// any other fault and for a clock set behind.
-fn ahead_ms(f: &FaultEvent) -> Option<u64> {
+/// How far a clock fault set its server's clock, ms (`server2:+5300ms`, `server0:-900ms`);
+/// `None` for any other fault.
+fn clock_jump_ms(f: &FaultEvent) -> Option<i64> {
     let jump = f.target.split_once(':')?.1.strip_suffix("ms")?;
-    jump.strip_prefix('+')?.parse().ok()
+    if !(jump.starts_with('+') || jump.starts_with('-')) {
+        return None;
+    }
+    jump.parse().ok()
 }
 
 /// Overlaps among the exclusive holds of one name (sorted by enter), valid and raw, and the
@@ -336,7 +345,7 @@ fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut R
             .or_default();
         let why = if excuse.lower_token(a, s) {
             row.after_clock_jump += 1;
-            "token lower after a clock that ran ahead and a restart that lost data (stated limit)"
+            "token lower after a restart that lost data on a server whose clock was off (stated limit)"
         } else {
             row.token_order += 1;
             "TOKEN ORDER"
@@ -864,7 +873,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lower_token_after_a_clock_ahead_and_a_restart_is_counted_apart() {
+    fn a_lower_token_after_a_restart_on_a_server_whose_clock_was_off_is_counted_apart() {
         // server0's clock ran 5 s ahead from 10 to 12; `a` (token 9) entered at 15; server0
         // restarted empty at 20; `b` got a lower token at 30.
         let ahead = FaultEvent {
@@ -913,11 +922,20 @@ mod tests {
             ..ahead.clone()
         };
         assert_eq!(
-            run(holds(), vec![behind, kill("server0", 20)])
+            run(holds(), vec![behind.clone(), kill("server0", 20)])
                 .total()
                 .token_order,
             1
         );
+        // A restart, then the clock set behind while `b` was asked for: counted apart.
+        let behind_at_b = FaultEvent {
+            start: 25,
+            end: 35,
+            clock_forward: Some(35),
+            ..behind
+        };
+        let t = run(holds(), vec![kill("server0", 20), behind_at_b]).total();
+        assert_eq!((t.token_order, t.after_clock_jump), (0, 1));
         // A restart once the clock had caught up (more than the jump after the heal).
         let t = 5_000_000_200;
         let late = vec![

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use redlease_nemesis::checker::{Report, HEADER};
-use redlease_nemesis::run::{clean, run, RunSpec};
+use redlease_nemesis::run::{check_dir, clean, run, RunSpec};
 use redlease_nemesis::schedule::Fault;
 use redlease_nemesis::topology::{Config, Launch};
 use redlease_nemesis::workload::{self, WorkerConfig};
@@ -66,6 +66,11 @@ enum Mode {
         #[arg(long, value_delimiter = ',')]
         server_prefix: Vec<String>,
     },
+    /// Checks a kept run's records again (a configuration's directory under `--dir`).
+    Check {
+        /// The directory of one configuration's records (`<dir>/<config>`).
+        dir: PathBuf,
+    },
     /// One worker process (spawned by `run`).
     #[command(hide = true)]
     Worker(WorkerConfig),
@@ -96,6 +101,15 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+        Mode::Check { dir } => {
+            let report = check_dir(&dir);
+            print_report(&dir.display(), &report);
+            if report.violated() {
+                println!("SAFETY VIOLATION");
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
         }
         Mode::Run {
             config,
@@ -136,7 +150,7 @@ fn main() -> ExitCode {
                     },
                 };
                 let report = run(&spec);
-                print_report(c, &report);
+                print_report(&c, &report);
                 if report.violated() {
                     violated = true;
                     println!("records kept in {}", spec.dir.display());
@@ -157,7 +171,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn print_report(config: Config, report: &Report) {
+fn print_report(config: &dyn std::fmt::Display, report: &Report) {
     println!("configuration {config}");
     println!("{HEADER}");
     for (fault, row) in &report.rows {

@@ -230,8 +230,13 @@ pub fn run(spec: &RunSpec) -> Report {
     drop(topo);
     drop(net);
     drop(runtime);
+    check_dir(&spec.dir)
+}
+
+/// Checks the records of a run kept in `dir` (its `*.rec` files).
+pub fn check_dir(dir: &Path) -> Report {
     let mut records = Records::default();
-    for entry in fs::read_dir(&spec.dir).expect("nemesis: cannot list the records") {
+    for entry in fs::read_dir(dir).expect("nemesis: cannot list the records") {
         let path = entry.expect("nemesis: cannot list the records").path();
         if path.extension().is_some_and(|e| e == "rec") {
             records
