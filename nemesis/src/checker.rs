@@ -249,6 +249,33 @@ enum Excuse {
     None,
     DataLoss,
     ClockJump,
+    /// A restart that lost data on a server whose clock was off (tokens only).
+    ClockOffRestart,
+}
+
+/// Counts one failed property in `row`: apart, as the stated limit `why` names, or as a
+/// violation in the counter `violation` picks. Returns the evidence's opening words: `what`
+/// with its limit, or `what` in capitals for a violation.
+fn tally(row: &mut Row, why: Excuse, violation: fn(&mut Row) -> &mut usize, what: &str) -> String {
+    let limit = match why {
+        Excuse::None => {
+            *violation(row) += 1;
+            return what.to_uppercase();
+        }
+        Excuse::DataLoss => {
+            row.after_data_loss += 1;
+            "a restart that lost data"
+        }
+        Excuse::ClockJump => {
+            row.after_clock_jump += 1;
+            "a clock jump"
+        }
+        Excuse::ClockOffRestart => {
+            row.after_clock_jump += 1;
+            "a restart that lost data on a server whose clock was off"
+        }
+    };
+    format!("{what} after {limit} (stated limit)")
 }
 
 impl Excuses<'_> {
@@ -343,13 +370,11 @@ fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut R
             .rows
             .entry(fault_of(faults, s.enter).into())
             .or_default();
-        let why = if excuse.lower_token(a, s) {
-            row.after_clock_jump += 1;
-            "token lower after a restart that lost data on a server whose clock was off (stated limit)"
-        } else {
-            row.token_order += 1;
-            "TOKEN ORDER"
+        let why = match excuse.lower_token(a, s) {
+            true => Excuse::ClockOffRestart,
+            false => Excuse::None,
         };
+        let why = tally(row, why, |r| &mut r.token_order, "token order");
         report.evidence.push(format!(
             "{why} on {name}: {what}:\n  {}\n  {}",
             describe(a),
@@ -393,20 +418,7 @@ fn exclusive(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut R
                     .rows
                     .entry(fault_of(faults, s.enter).into())
                     .or_default();
-                let what = match why {
-                    Excuse::DataLoss => {
-                        row.after_data_loss += 1;
-                        "valid overlap after a restart that lost data (stated limit)"
-                    }
-                    Excuse::ClockJump => {
-                        row.after_clock_jump += 1;
-                        "valid overlap after a clock jump (stated limit)"
-                    }
-                    Excuse::None => {
-                        row.valid_overlaps += 1;
-                        "VALID OVERLAP"
-                    }
-                };
+                let what = tally(row, why, |r| &mut r.valid_overlaps, "valid overlap");
                 report.evidence.push(format!(
                     "{what} on {name}:\n  {}\n  {}",
                     describe(a),
@@ -474,20 +486,7 @@ fn shared(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut Repo
                     .rows
                     .entry(fault_of(faults, s.enter).into())
                     .or_default();
-                let what = match why {
-                    Excuse::DataLoss => {
-                        row.after_data_loss += 1;
-                        "permits over N after a restart that lost data (stated limit)"
-                    }
-                    Excuse::ClockJump => {
-                        row.after_clock_jump += 1;
-                        "permits over N after a clock jump (stated limit)"
-                    }
-                    Excuse::None => {
-                        row.permits_over += 1;
-                        "PERMITS OVER N"
-                    }
-                };
+                let what = tally(row, why, |r| &mut r.permits_over, "permits over N");
                 report.evidence.push(format!(
                     "{what} on {name}: {permits} valid of {n} as this one entered:\n  {}",
                     describe(s)
@@ -499,20 +498,12 @@ fn shared(name: &str, sections: &[&Section], excuse: &Excuses, report: &mut Repo
                 .rows
                 .entry(fault_of(faults, s.enter).into())
                 .or_default();
-            let what = match why {
-                Excuse::DataLoss => {
-                    row.after_data_loss += 1;
-                    "read beside a write after a restart that lost data (stated limit)"
-                }
-                Excuse::ClockJump => {
-                    row.after_clock_jump += 1;
-                    "read beside a write after a clock jump (stated limit)"
-                }
-                Excuse::None => {
-                    row.read_beside_write += 1;
-                    "READ BESIDE WRITE"
-                }
-            };
+            let what = tally(
+                row,
+                why,
+                |r| &mut r.read_beside_write,
+                "read beside a write",
+            );
             report.evidence.push(format!(
                 "{what} on {name} ({reads} reads, {writes} writes) as this one entered:\n  {}",
                 describe(s)

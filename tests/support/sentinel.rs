@@ -131,6 +131,16 @@ impl RedisSentinels {
             .collect()
     }
 
+    /// What each running sentinel names as the primary (see [`named`](Self::named)).
+    fn named_by_running(&self) -> Vec<Option<usize>> {
+        self.sentinels
+            .iter()
+            .zip(self.named())
+            .filter(|(s, _)| s.is_running())
+            .map(|(_, n)| n)
+            .collect()
+    }
+
     /// Whether node `i` is running and says `role:master`.
     fn is_master(&self, i: usize) -> bool {
         self.role(i).as_deref() == Some("master")
@@ -204,13 +214,7 @@ impl RedisSentinels {
     pub fn try_wait_primary_changed(&self, old: usize) -> Result<usize, String> {
         let mut new = None;
         let changed = wait_for_interval(READY, POLL, || {
-            let named: Vec<Option<usize>> = self
-                .sentinels
-                .iter()
-                .zip(self.named())
-                .filter(|(s, _)| s.is_running())
-                .map(|(_, n)| n)
-                .collect();
+            let named = self.named_by_running();
             new = named.first().copied().flatten();
             match new {
                 Some(p) if p != old => named.iter().all(|&n| n == Some(p)) && self.is_master(p),
@@ -246,13 +250,7 @@ impl RedisSentinels {
                         && kv.get(1).and_then(Resp::as_str).as_deref() == Some("master")
                 })
             });
-            let named: Vec<Option<usize>> = self
-                .sentinels
-                .iter()
-                .zip(self.named())
-                .filter(|(s, _)| s.is_running())
-                .map(|(_, n)| n)
-                .collect();
+            let named = self.named_by_running();
             primary = named.first().copied().flatten();
             let Some(p) = primary else { return false };
             calm && named.iter().all(|&n| n == Some(p))
