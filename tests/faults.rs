@@ -849,19 +849,53 @@ async fn a_restart_quarantine_keeps_a_restarted_server_from_granting_a_held_lock
         .expect_err("an extension past the quarantine");
     assert!(matches!(extended, Error::InvalidConfig(_)), "{extended}");
 
-    srv.restart();
-    let second = b
-        .lock("quarantined")
-        .acquire_timeout(secs(15))
+    // Every kind of claim: a fair lock, a semaphore's one permit, a read-write lock's write.
+    let fair = a
+        .lock("q-fair")
+        .fair()
+        .expect("fair")
+        .acquire()
         .await
-        .expect("granted after the restarted server's quarantine");
-    let granted = Instant::now();
-    assert!(
-        granted >= first.valid_until(),
-        "granted {:?} before the first guard's validity ended",
-        first.valid_until() - granted
+        .expect("fair");
+    let sem = |m: &LockManager| m.lock("q-sem").semaphore(1).expect("semaphore");
+    let permit = sem(&a).acquire().await.expect("permit");
+    let rw = |m: &LockManager| m.lock("q-rw").rw().expect("read-write lock");
+    let write = rw(&a).write().await.expect("write");
+
+    srv.restart();
+    // All at once, each timed as it is granted.
+    let wait = secs(15);
+    let timed = |f: futures::future::BoxFuture<'static, Result<LockGuard, Error>>| async move {
+        let g = f.await;
+        (g, Instant::now())
+    };
+    let (fair_b, sem_b, rw_b, plain_b) = (
+        b.lock("q-fair").fair().expect("fair"),
+        sem(&b),
+        rw(&b),
+        b.lock("quarantined"),
     );
-    drop(second);
+    let (plain_new, fair_new, permit_new, read_new) = futures::join!(
+        timed(Box::pin(async move { plain_b.acquire_timeout(wait).await })),
+        timed(Box::pin(async move { fair_b.acquire_timeout(wait).await })),
+        timed(Box::pin(async move { sem_b.acquire_timeout(wait).await })),
+        timed(Box::pin(async move { rw_b.read_timeout(wait).await })),
+    );
+    let held = [
+        ("plain", first, plain_new),
+        ("fair", fair, fair_new),
+        ("permit", permit, permit_new),
+        ("read", write, read_new),
+    ];
+    for (kind, old, (new, at)) in held {
+        let new = new.unwrap_or_else(|e| panic!("{kind}: not granted after the quarantine: {e}"));
+        assert!(
+            at >= old.valid_until(),
+            "{kind}: granted {:?} before the first guard's validity ended",
+            old.valid_until() - at
+        );
+        drop(new);
+    }
 }
 
 // ---------------------------------------------------------------------------------------

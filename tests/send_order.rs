@@ -73,13 +73,18 @@ fn plain(srv: &RedisServer, key: &str, token: &str, n: &str) -> i64 {
 
 /// A fair single attempt, as `plain`.
 fn fair(srv: &RedisServer, key: &str, token: &str, n: &str) -> i64 {
-    int(&eval(srv, FAIR, key, &[token, "30000", "0", "", n]), 0)
+    int(&eval(srv, FAIR, key, &[token, "30000", "0", "", n, "0"]), 0)
 }
 
 /// One of one permit, as `plain` (`token` starts with `s`).
 fn permit(srv: &RedisServer, key: &str, token: &str, n: &str) -> i64 {
     int(
-        &eval(srv, SHARED, key, &[token, "30000", "0", "0", "1", "", n]),
+        &eval(
+            srv,
+            SHARED,
+            key,
+            &[token, "30000", "0", "0", "1", "", n, "0"],
+        ),
         0,
     )
 }

@@ -329,11 +329,13 @@ impl RedisBackend {
                 };
                 ops::acquired(claim, self.op(op).await?)?
             }
-            // A quorum's terms do not apply: fair claims are not served over Redlock.
+            // Fair claims are not served over Redlock: the minimum uptime is a single
+            // server's restart quarantine.
             ClaimKind::Fair => {
                 let op = Op::Fair {
                     claim: claim.clone(),
                     attempt,
+                    min_uptime: terms.min_uptime,
                     sent,
                 };
                 ops::acquired(claim, self.op(op).await?)?
@@ -346,7 +348,7 @@ impl RedisBackend {
             ClaimKind::Permit(0) => {
                 return Err(Error::invalid("a semaphore needs at least one permit"))
             }
-            // A quorum's terms do not apply: shared claims are not served over Redlock.
+            // Not served over Redlock either: the minimum uptime is as for fair claims.
             ClaimKind::Read | ClaimKind::Permit(_) => {
                 let permits = match claim.kind {
                     ClaimKind::Permit(n) => n,
@@ -356,6 +358,7 @@ impl RedisBackend {
                     claim: claim.clone(),
                     permits,
                     attempt,
+                    min_uptime: terms.min_uptime,
                     sent,
                 };
                 ops::acquired(claim, self.op(op).await?)?

@@ -49,16 +49,20 @@ pub(super) enum Op {
         terms: NodeTerms,
         sent: u64,
     },
+    /// `min_uptime`: a single server's restart quarantine (`NodeTerms::min_uptime`; fair
+    /// claims are not served over Redlock).
     Fair {
         claim: Claim,
         attempt: Attempt,
+        min_uptime: Duration,
         sent: u64,
     },
-    /// A read (`permits` 0) or one of `permits` permits.
+    /// A read (`permits` 0) or one of `permits` permits; `min_uptime` as for `Fair`.
     Shared {
         claim: Claim,
         permits: u32,
         attempt: Attempt,
+        min_uptime: Duration,
         sent: u64,
     },
     Release {
@@ -273,10 +277,11 @@ impl RedisBackend {
 
     /// Fair attempts as one `fair_acquire.lua` call.
     async fn fair_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        self.attempts(&self.inner.scripts.fair_acquire, ops, 5, |op| {
+        self.attempts(&self.inner.scripts.fair_acquire, ops, 6, |op| {
             let Op::Fair {
                 claim,
                 attempt,
+                min_uptime,
                 sent,
             } = op
             else {
@@ -292,6 +297,7 @@ impl RedisBackend {
                     expire.into(),
                     claim.token.label().unwrap_or_default().into(),
                     i64::try_from(*sent).unwrap_or(i64::MAX).into(),
+                    ms(*min_uptime).into(),
                 ],
             ))
         })
@@ -300,11 +306,12 @@ impl RedisBackend {
 
     /// Shared attempts (reads, permits) as one `shared_acquire.lua` call.
     async fn shared_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        self.attempts(&self.inner.scripts.shared_acquire, ops, 7, |op| {
+        self.attempts(&self.inner.scripts.shared_acquire, ops, 8, |op| {
             let Op::Shared {
                 claim,
                 permits,
                 attempt,
+                min_uptime,
                 sent,
             } = op
             else {
@@ -323,6 +330,7 @@ impl RedisBackend {
                     i64::from(*permits).into(),
                     claim.token.label().unwrap_or_default().into(),
                     i64::try_from(*sent).unwrap_or(i64::MAX).into(),
+                    ms(*min_uptime).into(),
                 ],
             ))
         })

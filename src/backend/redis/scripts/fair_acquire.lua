@@ -2,11 +2,13 @@
 -- Per attempt i (0-based): KEYS[i+1] the lock's key (its record: see acquire.lua); beside it
 -- `<key>:queue` (list of waiting tokens, oldest first) and `<key>:timeouts` (sorted set:
 -- token -> deadline, server ms).
--- ARGV[5i+1..5i+5]:
+-- ARGV[6i+1..6i+6]:
 --   token, ttl (ms), waiter expiry (ms; 0 for a single attempt, which never joins the queue),
---   holder label ('' for none), send number (see "Send order" in prelude.lua)
+--   holder label ('' for none), send number (see "Send order" in prelude.lua), minimum
+--   uptime (ms; 0 for none: a single server's restart quarantine, as in acquire.lua)
 -- Returns per attempt a pair: {1, fencing token} granted, {-1, error} when a command of this
--- attempt failed (see prelude.lua), or {0, n} not granted, where n is
+-- attempt failed (see prelude.lua), {2, ms to go} when this server has been up for less than
+-- the minimum uptime, or {0, n} not granted, where n is
 -- how long until a re-check is worth it: the holder's time left, or, when the lease is free
 -- and another waiter is at the head, that waiter's time left (-1 when unknown).
 --
@@ -15,12 +17,19 @@
 -- deadline passed (by the server's clock: no client clock is compared) are evicted first;
 -- the cost is one ZRANGEBYSCORE when nobody died.
 local now_ms, clock_us = server_clock()
+local uptime
 local function attempt(i)
   local key = KEYS[i + 1]
   local queue, timeouts = key .. ':queue', key .. ':timeouts'
   local token, ttl, expire, label =
-    ARGV[5 * i + 1], tonumber(ARGV[5 * i + 2]), tonumber(ARGV[5 * i + 3]), ARGV[5 * i + 4]
-  local n = ARGV[5 * i + 5]
+    ARGV[6 * i + 1], tonumber(ARGV[6 * i + 2]), tonumber(ARGV[6 * i + 3]), ARGV[6 * i + 4]
+  local n, min_uptime = ARGV[6 * i + 5], tonumber(ARGV[6 * i + 6])
+  if min_uptime > 0 then
+    uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
+    if uptime < min_uptime then
+      return 2, min_uptime - uptime
+    end
+  end
   -- (A barred token is a waiter that gave up and left: it is never granted nor queued.)
   local code, left, holder, seen = arrive(key, token, ttl, now_ms, n)
   if code then

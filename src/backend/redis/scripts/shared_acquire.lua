@@ -2,10 +2,12 @@
 -- or one of a semaphore's permits, each a lease of its own (see "Shared holds" in
 -- prelude.lua). Attempts on one key run in the order given.
 -- Per attempt i (0-based): KEYS[i+1] the lock's key (its record: see acquire.lua; beside it
--- `<key>:shared` and `<key>:sharers`); ARGV[7i+1..7i+7]: token (an `s…` token), ttl (ms),
+-- `<key>:shared` and `<key>:sharers`); ARGV[8i+1..8i+8]: token (an `s…` token), ttl (ms),
 -- waiters-flag ttl (ms; 0 when not waiting), 1 for a waiting acquire's first attempt, permits
 -- (the claim's count; 0 for a read, which any number may hold), holder label ('' for none),
--- send number (see "Send order" in prelude.lua; kept in the hold's `:sharers` entry)
+-- send number (see "Send order" in prelude.lua; kept in the hold's `:sharers` entry),
+-- minimum uptime (ms; 0 for none: a single server's restart quarantine, as in acquire.lua,
+-- answered {2, ms to go})
 -- Returns per attempt a pair: {1, fencing token} granted (also when a re-sent attempt finds
 -- its own hold: it is extended to ttl from now), {-1, error} when a command of this attempt
 -- failed (see prelude.lua), or {0, ms left}: held by a write or another kind of claim, every
@@ -22,10 +24,18 @@
 -- see release.lua). Waiting shared claims keep `s` live, which makes the release that frees
 -- the lock wake every waiter (see end_lease), and so does a writer's withdrawal.
 local now_ms, clock_us = server_clock()
+local uptime
 local function attempt(i)
   local key = KEYS[i + 1]
-  local token, ttl, flag, arriving = ARGV[7 * i + 1], tonumber(ARGV[7 * i + 2]), ARGV[7 * i + 3], ARGV[7 * i + 4]
-  local permits, label, n = tonumber(ARGV[7 * i + 5]), ARGV[7 * i + 6], ARGV[7 * i + 7]
+  local token, ttl, flag, arriving = ARGV[8 * i + 1], tonumber(ARGV[8 * i + 2]), ARGV[8 * i + 3], ARGV[8 * i + 4]
+  local permits, label, n = tonumber(ARGV[8 * i + 5]), ARGV[8 * i + 6], ARGV[8 * i + 7]
+  local min_uptime = tonumber(ARGV[8 * i + 8])
+  if min_uptime > 0 then
+    uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
+    if uptime < min_uptime then
+      return 2, min_uptime - uptime
+    end
+  end
   local mode = permits > 0 and PERMITS or READ
   local shared, sharers = key .. ':shared', key .. ':sharers'
   local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'v', 's', 'z')
