@@ -192,8 +192,13 @@ pub struct Setup {
     pub reconnects: bool,
     /// Extensions (the watchdog).
     pub extend: bool,
-    /// The restart quarantine, ticks (Redlock).
+    /// The restart quarantine, ticks (Redlock's; one server's with
+    /// [`single_quarantine`](Self::single_quarantine)).
     pub quarantine: i16,
+    /// One server with a restart quarantine (`RedisOptions::restart_quarantine`): it grants
+    /// nothing until it has been up for [`quarantine`](Self::quarantine) ticks; extensions
+    /// are not held back.
+    pub single_quarantine: bool,
     /// The mutant.
     pub mutant: Mutant,
     /// Clients may give a claim up (a timeout) at any moment.
@@ -245,6 +250,7 @@ impl Setup {
             reconnects: false,
             extend: false,
             quarantine: 3,
+            single_quarantine: false,
             mutant: Mutant::None,
             cap: None,
             give_up: true,
@@ -281,11 +287,22 @@ impl Setup {
         }
     }
 
+    /// The uptime a grant needs: a Redlock node's quarantine, or one server's.
     fn min_uptime(&self) -> i16 {
-        if self.nodes > 1 && self.mutant != Mutant::NoQuarantine {
+        if (self.nodes > 1 && self.mutant != Mutant::NoQuarantine) || self.single_quarantine {
             self.quarantine
         } else {
             0
+        }
+    }
+
+    /// The uptime an extension needs: a Redlock node's quarantine only (one server's
+    /// quarantine holds back grants, not extensions of what survived on it).
+    fn extend_min_uptime(&self) -> i16 {
+        if self.single_quarantine {
+            0
+        } else {
+            self.min_uptime()
         }
     }
 }
@@ -602,6 +619,7 @@ impl Lease {
         let flag = setup.flags[usize::from(c)];
         let rules = setup.rules();
         let min_uptime = setup.min_uptime();
+        let extend_min_uptime = setup.extend_min_uptime();
         let node = &mut s.nodes[usize::from(n)];
         let sc = s.now + node.ahead;
         let uptime = node.started.map_or(i16::MAX, |st| (sc - st - 1).max(0));
@@ -631,7 +649,7 @@ impl Lease {
                 }
             }
             Req::Extend { tok, .. } => Answer::Done(
-                (min_uptime <= 0 || uptime >= min_uptime)
+                (extend_min_uptime <= 0 || uptime >= extend_min_uptime)
                     && match role {
                         Role::Write => node.data.extend(tok, setup.ttl, sc),
                         _ => node.data.shared_extend(tok, setup.ttl, sc),
@@ -1458,6 +1476,20 @@ pub fn checks(deep: bool) -> Vec<Check> {
             name: "single: crash, no persistence (limit)",
             setup: single(&|s| s.crash = Some(Persistence::None)),
             fails: &[ABANDONED, EXCLUSION],
+        },
+        Check {
+            name: "single: crash, no persistence, restart quarantine",
+            setup: single(&|s| {
+                // Long enough for grants after the quarantine that follows a restart (the
+                // late abandoned copy below is one).
+                s.horizon = 6;
+                s.rounds = 2;
+                s.crash = Some(Persistence::None);
+                s.single_quarantine = true;
+            }),
+            // Exclusion holds; an abandoned attempt's tombstone is lost with the rest, and
+            // its late copy is granted once the quarantine ends (liveness only).
+            fails: &[ABANDONED],
         },
         Check {
             name: "single: failover with replica acknowledgement",

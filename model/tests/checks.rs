@@ -191,6 +191,11 @@ fn single_crash_without_persistence_is_a_limit() {
 }
 
 #[test]
+fn single_crash_without_persistence_with_a_restart_quarantine() {
+    exact("single: crash, no persistence, restart quarantine");
+}
+
+#[test]
 fn failover_with_ack() {
     exact("single: failover with replica acknowledgement");
 }
