@@ -334,8 +334,9 @@ impl<'a> Attempts<'a> {
                     && (self.target.kind.queues() || *self.target.kind == ClaimKind::Plain);
                 Tried::Held(remaining)
             }
-            // Only a quorum member answers this, to a quorum; a store passing it on asks the
-            // caller to come back when its nodes count.
+            // A server in its restart quarantine (a quorum member, or one server with
+            // `RedisOptions::restart_quarantine`), or a store passing that on: come back when
+            // it counts.
             Acquire::Warming { remaining } => {
                 self.pending.armed = false;
                 Tried::Held(Some(remaining))

@@ -287,9 +287,10 @@ pub enum Acquire {
         /// head's time left to take a free lock, if the store knows it.
         remaining: Option<Duration>,
     },
-    /// A quorum member that has been up for less than the
-    /// [`min_uptime`](NodeTerms::min_uptime) it was asked for: it may have restarted empty and
-    /// forgotten leases that others hold, so it grants nothing and counts toward no quorum.
+    /// A server that has been up for less than the [`min_uptime`](NodeTerms::min_uptime) it
+    /// was asked for (a quorum member, or one server with a restart quarantine): it may have
+    /// restarted empty and forgotten leases that others hold, so it grants nothing and counts
+    /// toward no quorum.
     Warming {
         /// How long until it has been up long enough.
         remaining: Duration,

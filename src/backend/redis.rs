@@ -411,19 +411,21 @@ impl RedisBackend {
     /// This backend with a restart quarantine (see
     /// [`RedisOptions::restart_quarantine`](crate::RedisOptions::restart_quarantine)): for
     /// one made with [`from_client`](Self::from_client), which takes no options. Zero turns
-    /// it off.
+    /// it off; one longer than the longest TTL (a year) is refused with
+    /// [`Error::InvalidConfig`].
     ///
     /// ```no_run
     /// # async fn demo(client: fred::clients::Client) -> redlease::Result<()> {
     /// use std::time::Duration;
     /// let backend = redlease::RedisBackend::from_client(client)
     ///     .await?
-    ///     .with_restart_quarantine(Duration::from_secs(30));
+    ///     .with_restart_quarantine(Duration::from_secs(30))?;
     /// # Ok(()) }
     /// ```
-    pub fn with_restart_quarantine(mut self, d: Duration) -> Self {
+    pub fn with_restart_quarantine(mut self, d: Duration) -> Result<Self> {
+        check_quarantine(d)?;
         self.quarantine = d;
-        self
+        Ok(self)
     }
 
     /// `terms` for an acquire of a lease of `ttl`, with the restart quarantine (unless a
@@ -454,6 +456,17 @@ impl RedisBackend {
             self.quarantine
         ))
     }
+}
+
+/// A restart quarantine no TTL can reach would hold every grant back for good: refused.
+fn check_quarantine(d: Duration) -> Result<()> {
+    if d > crate::options::MAX_TTL {
+        return Err(Error::invalid(format!(
+            "the restart quarantine must be at most the longest TTL ({:?}), got {d:?}",
+            crate::options::MAX_TTL
+        )));
+    }
+    Ok(())
 }
 
 #[async_trait]

@@ -217,13 +217,7 @@ impl RedisOptions {
         if self.max_command_attempts == 0 {
             return Err(Error::invalid("max_command_attempts must be at least 1"));
         }
-        if self.restart_quarantine > crate::options::MAX_TTL {
-            return Err(Error::invalid(format!(
-                "the restart quarantine must be at most the longest TTL ({:?}), got {:?}",
-                crate::options::MAX_TTL,
-                self.restart_quarantine
-            )));
-        }
+        super::check_quarantine(self.restart_quarantine)?;
         self.replica_ack.validate(self.command_timeout)
     }
 }
@@ -348,7 +342,7 @@ impl RedisBackend {
         } else {
             Self::open_node(config, options, wait, false).await?
         };
-        Ok(backend.with_restart_quarantine(quarantine))
+        backend.with_restart_quarantine(quarantine)
     }
 
     /// A backend over one server's connection made from `config`; `slots`: the server is a
