@@ -12,22 +12,19 @@
 -- yielded to registered waiters; -2 when free), {-1, error} when a command of this lease
 -- failed (see prelude.lua; a key of another type fails the HMGET), or {2, ms to go} when
 -- this server has been up for less than the minimum uptime asked (a quorum member that may
--- have restarted empty grants nothing; see uptime_ms in prelude.lua, read once per call).
+-- have restarted empty grants nothing; see warming in prelude.lua).
 -- A grant costs TIME once per call, then HMGET and HSET per lease, plus a PEXPIREAT when the
 -- record is new or its hour is half gone. A waiting attempt turned away costs HMGET, HSET,
 -- and ZADD and PEXPIREAT of `<key>:writers` (its writer preference).
 local now_ms, clock_us = server_clock()
-local uptime
 local function attempt(i)
   local key = KEYS[i + 1]
   local token, ttl, flag, arriving = ARGV[8 * i + 1], tonumber(ARGV[8 * i + 2]), ARGV[8 * i + 3], ARGV[8 * i + 4]
   local floor, min_uptime, label = tonumber(ARGV[8 * i + 5]), tonumber(ARGV[8 * i + 6]), ARGV[8 * i + 7]
   local n = ARGV[8 * i + 8]
-  if min_uptime > 0 then
-    uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
-    if uptime < min_uptime then
-      return 2, min_uptime - uptime
-    end
+  local wait = warming(min_uptime, now_ms)
+  if wait then
+    return 2, wait
   end
   local code, left, holder, seen = arrive(key, token, ttl, now_ms, n)
   if code then

@@ -17,18 +17,15 @@
 -- deadline passed (by the server's clock: no client clock is compared) are evicted first;
 -- the cost is one ZRANGEBYSCORE when nobody died.
 local now_ms, clock_us = server_clock()
-local uptime
 local function attempt(i)
   local key = KEYS[i + 1]
   local queue, timeouts = key .. ':queue', key .. ':timeouts'
   local token, ttl, expire, label =
     ARGV[6 * i + 1], tonumber(ARGV[6 * i + 2]), tonumber(ARGV[6 * i + 3]), ARGV[6 * i + 4]
   local n, min_uptime = ARGV[6 * i + 5], tonumber(ARGV[6 * i + 6])
-  if min_uptime > 0 then
-    uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
-    if uptime < min_uptime then
-      return 2, min_uptime - uptime
-    end
+  local wait = warming(min_uptime, now_ms)
+  if wait then
+    return 2, wait
   end
   -- (A barred token is a waiter that gave up and left: it is never granted nor queued.)
   local code, left, holder, seen = arrive(key, token, ttl, now_ms, n)

@@ -186,6 +186,21 @@ local function uptime_ms(min_ms, now_s)
   return 1000 * math.max((s or 0) - 1, 0)
 end
 
+-- The acquire scripts' restart guard: the ms to go while this server has been up for less
+-- than `min_ms` (a quorum member's, or one server's restart quarantine; 0 asks nothing), or
+-- nil. The uptime is read once per call.
+local uptime_read
+local function warming(min_ms, now_ms)
+  if min_ms <= 0 then
+    return nil
+  end
+  uptime_read = uptime_read or uptime_ms(min_ms, math.floor(now_ms / 1000))
+  if uptime_read < min_ms then
+    return min_ms - uptime_read
+  end
+  return nil
+end
+
 -- Serves an extension call: KEYS[i] a lease's key, ARGV[2i] its token, ARGV[2i+1] its TTL
 -- (ms), after ARGV[1], the minimum uptime (ms; 0 for none: a quorum member up for less than
 -- that, which may have restarted empty, extends nothing). `extend(key, token, ttl, now_ms)`

@@ -24,11 +24,9 @@ local floor, min_uptime = tonumber(ARGV[6]), tonumber(ARGV[7])
 local label = ARGV[8] or ''
 local n = ARGV[9] or '0'
 local now_ms, clock_us = server_clock()
-if min_uptime > 0 then
-  local up = uptime_ms(min_uptime, math.floor(now_ms / 1000))
-  if up < min_uptime then
-    return {2, min_uptime - up}
-  end
+local wait = warming(min_uptime, now_ms)
+if wait then
+  return {2, wait}
 end
 local seen = redis.call('HMGET', key, 't', 'e', 'f', 'x', 'a', 'w', 'n', 'r', 'm')
 local t, e, f, x, a, w = seen[1], seen[2], seen[3], seen[4], seen[5], seen[6]

@@ -24,17 +24,14 @@
 -- see release.lua). Waiting shared claims keep `s` live, which makes the release that frees
 -- the lock wake every waiter (see end_lease), and so does a writer's withdrawal.
 local now_ms, clock_us = server_clock()
-local uptime
 local function attempt(i)
   local key = KEYS[i + 1]
   local token, ttl, flag, arriving = ARGV[8 * i + 1], tonumber(ARGV[8 * i + 2]), ARGV[8 * i + 3], ARGV[8 * i + 4]
   local permits, label, n = tonumber(ARGV[8 * i + 5]), ARGV[8 * i + 6], ARGV[8 * i + 7]
   local min_uptime = tonumber(ARGV[8 * i + 8])
-  if min_uptime > 0 then
-    uptime = uptime or uptime_ms(min_uptime, math.floor(now_ms / 1000))
-    if uptime < min_uptime then
-      return 2, min_uptime - uptime
-    end
+  local wait = warming(min_uptime, now_ms)
+  if wait then
+    return 2, wait
   end
   local mode = permits > 0 and PERMITS or READ
   local shared, sharers = key .. ':shared', key .. ':sharers'
