@@ -25,7 +25,7 @@ pub(crate) mod values;
 pub use memory::MemoryBackend;
 #[cfg(feature = "tls")]
 pub use redis::TlsOptions;
-pub use redis::{FencedWrite, RedisBackend, RedisOptions, ReplicaAck};
+pub use redis::{FencedWrite, RedisBackend, RedisOptions, ReplicaAck, Transport};
 pub use redlock::{Redlock, RedlockOptions};
 pub use subscription::{Subscription, WakeUp};
 

@@ -166,7 +166,7 @@ pub mod futures {
 pub use backend::TlsOptions;
 pub use backend::{
     Backend, FencedWrite, MemoryBackend, RedisBackend, RedisOptions, Redlock, RedlockOptions,
-    ReplicaAck,
+    ReplicaAck, Transport,
 };
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`](backend::Subscription), re-exported for

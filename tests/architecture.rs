@@ -72,12 +72,48 @@ const FORBIDDEN: &[Forbid] = &[
         to: &["backend::redlock"],
         why: "in the Redis store only connect.rs, which hosts Redlock::connect, names Redlock",
     },
+    Forbid {
+        from: "backend::redis",
+        except: &["backend::redis::transport", "backend::redis::connect"],
+        to: &[
+            "backend::redis::transport::fred",
+            "backend::redis::transport::redis_rs",
+        ],
+        why: "the Redis backend's logic reaches a client only through the seam (transport.rs); \
+              connect.rs picks the client a backend is opened with",
+    },
+    Forbid {
+        from: "backend::redis::transport::fred",
+        except: &[],
+        to: &["backend::redis::transport::redis_rs"],
+        why: "each client's code stands alone below the seam",
+    },
+    Forbid {
+        from: "backend::redis::transport::redis_rs",
+        except: &[],
+        to: &["backend::redis::transport::fred"],
+        why: "each client's code stands alone below the seam",
+    },
 ];
 
 /// External crates that may be named (`use fred…`, `fred::…` in code) only in the source
 /// files under these paths (a path ending in `/` is a directory).
-const CONFINED_CRATES: &[(&str, &[&str])] =
-    &[("fred", &["src/backend/redis.rs", "src/backend/redis/"])];
+const CONFINED_CRATES: &[(&str, &[&str])] = &[
+    (
+        "fred",
+        &[
+            "src/backend/redis/transport/fred.rs",
+            "src/backend/redis/transport/fred/",
+        ],
+    ),
+    (
+        "redis",
+        &[
+            "src/backend/redis/transport/redis_rs.rs",
+            "src/backend/redis/transport/redis_rs/",
+        ],
+    ),
+];
 
 /// Source paths that are other crates using the public API only: no `crate::` at all, and
 /// not part of the module graph.
@@ -155,7 +191,22 @@ fn the_checker_reports_planted_violations() {
         ),
         (
             "src/backend/redis.rs",
-            "use fred::prelude::Client;\nuse super::Backendish;\n",
+            "mod ops;\nmod transport;\nuse super::Backendish;\n",
+        ),
+        // A client's module may name its crate; a parent names it as its child `fred`.
+        (
+            "src/backend/redis/transport.rs",
+            "pub(super) mod fred;\npub use fred::Client;\n",
+        ),
+        (
+            "src/backend/redis/transport/fred.rs",
+            "use fred::prelude::Client;\nuse super::Failure;\n",
+        ),
+        // Planted: the backend's logic reaching a client's module past the seam (line 1),
+        // and naming a client crate (line 2).
+        (
+            "src/backend/redis/ops.rs",
+            "use super::transport::fred::x;\nfn f() { redis::cmd(); }\n",
         ),
         // Planted: Redlock naming a concrete store.
         (
@@ -204,6 +255,14 @@ fn the_checker_reports_planted_violations() {
         "fred outside redis not reported:\n{all}"
     );
     assert!(
+        has(&["src/backend/redis/ops.rs:1", "through the seam"]),
+        "a client's module reached past the seam not reported:\n{all}"
+    );
+    assert!(
+        has(&["src/backend/redis/ops.rs:2", "`redis` crate"]),
+        "redis-rs outside its module not reported:\n{all}"
+    );
+    assert!(
         has(&["src/backend/redlock.rs:2", "crate::backend::memory::x"]),
         "redlock → memory not reported:\n{all}"
     );
@@ -222,7 +281,7 @@ fn the_checker_reports_planted_violations() {
     );
     assert_eq!(
         v.len(),
-        7,
+        9,
         "expected exactly the planted violations:\n{all}"
     );
 }

@@ -405,7 +405,7 @@ async fn from_client_serves_locks_beside_the_applications_own_commands() {
     client.init().await.unwrap();
     let backend = RedisBackend::from_client(client.clone()).await.unwrap();
     assert_eq!(
-        backend.client().id(),
+        backend.client().expect("a fred backend").id(),
         client.id(),
         "the application's client"
     );

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fred::interfaces::ClientLike;
 use redlease::{
     Error, Lock, LockGuard, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions,
     Redlock, RedlockOptions,
@@ -79,8 +78,7 @@ async fn connected_nodes(servers: &[RedisServer]) -> Vec<RedisBackend> {
 /// Waits until each of `nodes` has seen its server go away (the client is reconnecting),
 /// so that calls to it fail at once.
 async fn wait_disconnected(nodes: &[RedisBackend]) {
-    let gone =
-        support::wait_for_async(secs(5), || nodes.iter().all(|n| !n.client().is_connected())).await;
+    let gone = support::wait_for_async(secs(5), || nodes.iter().all(|n| !n.is_connected())).await;
     assert!(gone, "a client did not notice its server was killed");
 }
 

@@ -1,6 +1,9 @@
 //! `RedisBackend`: leases on one Redis server (a Redis Cluster, a primary behind Sentinel),
-//! through fred. All fred and Lua code of the crate lives under this module, by concern:
-//! `connect` (URLs, options, the client), `errors` (the server's errors, read), `acks`
+//! through a client behind the seam in `transport` (fred, or redis-rs with its feature). All
+//! client and Lua code of the crate lives under this module, by concern: `transport` (what
+//! the backend needs of a client, and each client's code in a module of its own), `connect`
+//! (URLs, options, the backend over a client's connections), `errors` (the server's errors,
+//! read), `acks`
 //! (replica acknowledgement), `keys` (the key layout, documented there), `ops` (acquire and
 //! release, with group commit in `batch`), `extend`, `pubsub` (wake-ups), `fenced` (fenced
 //! writes), `cache` (the stampede cache's values), `shards` (a Redis Cluster, one connection
@@ -11,10 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fred::interfaces::ClientLike;
-use fred::prelude::Client;
-use fred::types::scripts::Script;
-use fred::types::{FromValue, Key, Value};
 use futures::future::BoxFuture;
 
 use crate::backend::{
@@ -23,7 +22,6 @@ use crate::backend::{
 };
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
-use crate::runtime::{in_tokio, Rt};
 use crate::token::LeaseKey;
 
 /// On a cluster (`$self.shards`), runs `$call` on the backend of the primary that serves
@@ -58,18 +56,18 @@ mod keys;
 mod ops;
 mod pubsub;
 mod shards;
-#[cfg(feature = "tls")]
-mod tls;
+mod transport;
 
 pub use acks::ReplicaAck;
 pub use connect::RedisOptions;
 pub use fenced::FencedWrite;
 #[cfg(feature = "tls")]
-pub use tls::TlsOptions;
+pub use transport::TlsOptions;
+pub use transport::Transport;
 
-use connect::NodeSettings;
 use keys::{part, Part};
 use ops::{Op, TOMBSTONE};
+use transport::{Connection, Script, Value};
 
 /// Leases on a Redis server (`redis://`, `rediss://` with the `tls` feature), a Redis
 /// Cluster (`redis-cluster://`) or the primary that Sentinel names (`redis-sentinel://`),
@@ -100,7 +98,8 @@ pub struct RedisBackend {
 }
 
 struct Inner {
-    client: Client,
+    /// The command connection, through the client's side of the seam.
+    connection: Arc<dyn Connection>,
     scripts: Scripts,
     pubsub: Arc<pubsub::PubSub>,
     clustered: bool,
@@ -143,9 +142,9 @@ impl Scripts {
     fn new(sharded: bool) -> Self {
         let lua = |text: &'static str| {
             if sharded {
-                Script::from_lua(text.replace("'PUBLISH'", "'SPUBLISH'"))
+                Script::new(text.replace("'PUBLISH'", "'SPUBLISH'"))
             } else {
-                Script::from_lua(text)
+                Script::new(text)
             }
         };
         // The scripts that read the lock record share `prelude.lua` (the record's helpers;
@@ -199,28 +198,31 @@ impl Scripts {
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
-            .field("server", &self.inner.client.client_config().server)
+            .field("server", &self.inner.connection.server())
             .finish_non_exhaustive()
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let client = self.client.clone();
-        let subscriber = self.pubsub.client.clone();
-        Rt::current().spawn(async move {
-            let _ = in_tokio(client.quit()).await;
-            let _ = in_tokio(subscriber.quit()).await;
-        });
+        self.connection.quit();
+        self.pubsub.subscriber.quit();
     }
 }
 
 impl RedisBackend {
-    /// The fred client underneath, for commands of your own on the same connection (on a
-    /// cluster, the connection to the first primary that answered at connect, also when the
-    /// backend was made by [`from_client`](Self::from_client) over a cluster client).
-    pub fn client(&self) -> &Client {
-        &self.inner.client
+    /// Whether the command connection is up now (on a cluster, the connection to the first
+    /// primary that answered at connect). `false` while it is being remade: a quorum's
+    /// member is then skipped at once (see [`NodeTerms::fail_fast`]).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// let backend = redlease::RedisBackend::connect("redis://127.0.0.1:6379").await?;
+    /// assert!(backend.is_connected());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_connected(&self) -> bool {
+        self.inner.connection.is_connected()
     }
 
     /// Whether waiters are woken by a message when a lock is released (`true`), or find a
@@ -248,16 +250,11 @@ impl RedisBackend {
 
     /// The keys of a lock script's call: the locks' `keys`, and on a cluster the keys beside
     /// each (see [`keys::BESIDE`]).
-    fn declared(&self, mut keys: Vec<Key>) -> Vec<Key> {
+    fn declared(&self, mut keys: Vec<String>) -> Vec<String> {
         if self.inner.clustered {
-            let beside: Vec<Key> = keys
+            let beside: Vec<String> = keys
                 .iter()
-                .filter_map(|k| k.as_str())
-                .flat_map(|k| {
-                    keys::BESIDE
-                        .iter()
-                        .map(move |s| Key::from(format!("{k}:{s}")))
-                })
+                .flat_map(|k| keys::BESIDE.iter().map(move |s| format!("{k}:{s}")))
                 .collect();
             keys.extend(beside);
         }
@@ -272,20 +269,23 @@ impl RedisBackend {
         }
     }
 
-    /// Runs `script` (EVALSHA, loading it on NOSCRIPT) in a tokio context. An error that says
-    /// the server is a replica now (`READONLY`: a demoted primary) has the connection remade;
-    /// the batched scripts' entries are looked at where they are read (`ops.rs`,
+    /// Runs `script` (EVALSHA; on NOSCRIPT, SCRIPT LOAD and EVALSHA again). An error that
+    /// says the server is a replica now (`READONLY`: a demoted primary) has the connection
+    /// remade; the batched scripts' entries are looked at where they are read (`ops.rs`,
     /// `extend.rs`).
-    async fn eval<R: FromValue>(
-        &self,
-        script: &Script,
-        keys: Vec<Key>,
-        args: Vec<Value>,
-    ) -> Result<R> {
-        let reply = in_tokio(script.evalsha_with_reload(&self.inner.client, keys, args)).await;
-        reply.map_err(|e| {
-            self.said(e.details());
-            errors::store_error(e)
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Value> {
+        let connection = &*self.inner.connection;
+        let mut reply = connection.evalsha(script.sha(), &keys, &args).await;
+        if reply.as_ref().is_err_and(|f| f.is("NOSCRIPT")) {
+            // A server restarted (or flushed) since the connection loaded its scripts.
+            reply = match connect::load(connection, script).await {
+                Ok(()) => connection.evalsha(script.sha(), &keys, &args).await,
+                Err(f) => Err(f),
+            };
+        }
+        reply.map_err(|f| {
+            self.said(&f.said);
+            errors::store_error(f)
         })
     }
 
@@ -293,7 +293,7 @@ impl RedisBackend {
     /// connection remade (see `connect::Demoted`).
     fn said(&self, error: &str) {
         if errors::readonly(error) {
-            self.inner.demoted.reconnect(&self.inner.client);
+            self.inner.demoted.reconnect(&*self.inner.connection);
         }
     }
 }
@@ -458,6 +458,15 @@ impl RedisBackend {
     }
 }
 
+/// What the connections to a server check, besides the server's version: the eviction
+/// policy and replica acknowledgement. A backend made from an application's client checks
+/// the policy strictly and asks for no acknowledgement.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Checks {
+    pub(super) allow_eviction: bool,
+    pub(super) ack: ReplicaAck,
+}
+
 /// A restart quarantine no TTL can reach would hold every grant back for good: refused.
 fn check_quarantine(d: Duration) -> Result<()> {
     if d > crate::options::MAX_TTL {
@@ -547,10 +556,11 @@ impl Backend for RedisBackend {
 
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
         on_shard!(self, key.as_str(), |node| node.inspect(key));
-        let keys: Vec<Key> = vec![key.as_str().into()];
-        let reply: Vec<Value> = self
+        let keys = vec![key.as_str().to_owned()];
+        let reply = self
             .eval(&self.inner.scripts.inspect, self.declared(keys), Vec::new())
-            .await?;
+            .await?
+            .into_array();
         let [pttl, fence, label, queued, owners, shared, labels] = <[Value; 7]>::try_from(reply)
             .map_err(|r| Error::backend(format!("inspect script returned {} values", r.len())))?;
         let int = |v: &Value| v.as_i64().unwrap_or(-1);
@@ -572,9 +582,9 @@ impl Backend for RedisBackend {
 
     async fn raise_fence(&self, key: &LeaseKey, at_least: u64) -> Result<()> {
         on_shard!(self, key.as_str(), |node| node.raise_fence(key, at_least));
-        let keys = vec![Key::from(key.as_str())];
+        let keys = vec![key.as_str().to_owned()];
         let args = vec![Value::from(at_least.to_string())];
-        self.eval::<i64>(&self.inner.scripts.fence, keys, args)
+        self.eval(&self.inner.scripts.fence, keys, args)
             .await
             .map(drop)
     }

@@ -18,15 +18,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fred::interfaces::{ClientInterface, ClientLike};
-use fred::prelude::Client;
-use fred::types::config::Options;
-use fred::types::{ClusterHash, CustomCommand, Value};
-
+use super::transport::{Connection, Value};
 use super::RedisBackend;
 use crate::backend::{Acquire, Claim, Extended, Grant, Release};
 use crate::error::{Error, Result};
-use crate::runtime::in_tokio;
 
 /// How many copies a grant or an extension needs before it is reported: the replica
 /// acknowledgement policy of a [`RedisBackend`](crate::RedisBackend) (see
@@ -223,28 +218,24 @@ impl Acks {
     }
 
     /// Taken before a write that is to be acknowledged.
-    pub(super) fn mark(&self, client: &Client) -> Mark {
+    pub(super) fn mark(&self, connection: &dyn Connection) -> Mark {
         Mark {
             reconnects: self.reconnects.load(Ordering::Acquire),
-            id: client
-                .connection_ids()
-                .into_iter()
-                .next()
-                .map(|(server, id)| (server.to_string(), id)),
+            id: connection.identity(),
         }
     }
 
     /// After the reply of a write made after `mark`: how many replicas have it, or
     /// [`Error::NotAcknowledged`] if fewer than the policy needs (or the connection changed,
     /// so that a `WAIT` could not count the write).
-    pub(super) async fn confirm(&self, client: &Client, mark: Mark) -> Result<u32> {
+    pub(super) async fn confirm(&self, connection: &dyn Connection, mark: Mark) -> Result<u32> {
         let came = self.sent.load(Ordering::Acquire);
         let counted = {
             let mut last = self.last.lock().await;
             if last.0 <= came {
                 // No WAIT sent since this caller came: send one.
                 let number = self.sent.fetch_add(1, Ordering::AcqRel) + 1;
-                *last = (number, self.wait(client).await);
+                *last = (number, self.wait(connection).await);
             }
             last.1.clone()
         };
@@ -259,7 +250,7 @@ impl Acks {
             // A dropped connection or a timeout: it may pass (a waiting acquire waits on).
             Err(failed) => return Err(Error::backend(crate::backend::Unavailable(failed))),
         };
-        if !mark.same(&self.mark(client)) {
+        if !mark.same(&self.mark(connection)) {
             return Err(Error::NotAcknowledged {
                 acked: 0,
                 required,
@@ -286,7 +277,7 @@ impl Acks {
     /// One `WAIT` (or `WAITAOF`), sent once: the replicas it counted (for `WAITAOF`, 0 when
     /// the local AOF it needs does not have the write). `Err("refused: ...")` when the server
     /// does not know or allow the command.
-    async fn wait(&self, client: &Client) -> std::result::Result<u32, String> {
+    async fn wait(&self, connection: &dyn Connection) -> std::result::Result<u32, String> {
         let timeout = self.timeout();
         let ms = u64::try_from(timeout.as_millis())
             .unwrap_or(u64::MAX)
@@ -307,19 +298,12 @@ impl Acks {
                 ],
             ),
         };
-        // Not blocking to fred (the commands behind it are sent), sent once, failing at
-        // once when the connection is down (a new connection's WAIT would count nothing).
-        let wait = CustomCommand::new_static(command, ClusterHash::Random, false);
-        let options = Options {
-            max_attempts: Some(1),
-            fail_fast: true,
-            timeout: Some(timeout + client.perf_config().default_command_timeout),
-            ..Options::default()
-        };
-        let reply: std::result::Result<Value, _> =
-            in_tokio(client.with_options(&options).custom(wait, args)).await;
+        // Sent once, failing at once when the connection is down (a new connection's WAIT
+        // would count nothing).
+        let limit = timeout + connection.command_timeout();
+        let reply = connection.command_once(command, args, limit).await;
         match reply {
-            Ok(Value::Integer(n)) => Ok(u32::try_from(n).unwrap_or(0)),
+            Ok(Value::Int(n)) => Ok(u32::try_from(n).unwrap_or(0)),
             Ok(Value::Array(counts)) => {
                 let count = |i: usize| counts.get(i).and_then(Value::as_i64).unwrap_or(0);
                 let local_ok =
@@ -332,7 +316,7 @@ impl Acks {
             }
             Ok(other) => Err(format!("{command} returned {other:?}")),
             Err(e) => {
-                let said = e.details().to_owned();
+                let said = e.said.clone();
                 let upper = said.to_ascii_uppercase();
                 if upper.contains("UNKNOWN COMMAND") || upper.starts_with("NOPERM") {
                     Err(format!(
@@ -358,18 +342,13 @@ impl RedisBackend {
     /// the write goes on that connection.
     pub(super) async fn ack_mark(&self) -> Option<Mark> {
         let acks = self.inner.acks.as_ref()?;
-        if !self.inner.client.is_connected() {
+        let connection = &*self.inner.connection;
+        if !connection.is_connected() {
             let connect = self.ready();
-            let _ = crate::runtime::until(
-                Some(
-                    std::time::Instant::now()
-                        + self.inner.client.perf_config().default_command_timeout,
-                ),
-                connect,
-            )
-            .await;
+            let deadline = std::time::Instant::now() + connection.command_timeout();
+            let _ = crate::runtime::until(Some(deadline), connect).await;
         }
-        Some(acks.mark(&self.inner.client))
+        Some(acks.mark(connection))
     }
 
     /// `grant` (of `claim`, written after `mark`) once acknowledged, with the replicas that
@@ -383,7 +362,7 @@ impl RedisBackend {
         let (Some(acks), Some(mark)) = (&self.inner.acks, mark) else {
             return Ok(Acquire::Granted(grant));
         };
-        match acks.confirm(&self.inner.client, mark).await {
+        match acks.confirm(&*self.inner.connection, mark).await {
             Ok(n) => Ok(Acquire::Granted(grant.with_replicas(n))),
             Err(e) => {
                 // Nobody is told it is held, and a failover could lose it: given back (no
@@ -414,7 +393,7 @@ impl RedisBackend {
         if !extended.iter().any(|e| matches!(e, Extended::Held(_))) {
             return extended;
         }
-        if let Err(e) = acks.confirm(&self.inner.client, mark).await {
+        if let Err(e) = acks.confirm(&*self.inner.connection, mark).await {
             for lease in &mut extended {
                 if matches!(lease, Extended::Held(_)) {
                     *lease = Extended::Failed(again(&e));

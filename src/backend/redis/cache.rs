@@ -6,27 +6,19 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
-use fred::types::Value;
-
 use super::keys::{failed, ms, part, Part};
+use super::transport::Value;
 use super::RedisBackend;
 use crate::backend::values::{Cached, Failure, Fill, Read, ValueStore};
 use crate::backend::{Backend, Subscription};
 use crate::error::{Error, Result};
-use crate::runtime::in_tokio;
 use crate::token::{LeaseKey, Token};
+use async_trait::async_trait;
+use bytes::Bytes;
 
-/// A bulk reply as bytes. `Null` is matched first: with fred's `default-nil-types` feature
-/// (which any crate in the build may turn on) `into_bytes` maps it to `Some("")`.
+/// A bulk reply as bytes (`None` for nil).
 fn bulk(v: Value) -> Option<Bytes> {
-    match v {
-        Value::Null => None,
-        Value::Bytes(b) => Some(b),
-        Value::String(s) => Some(s.into_inner()),
-        other => other.into_bytes(),
-    }
+    v.into_bytes()
 }
 
 fn us(d: Duration) -> i64 {
@@ -77,17 +69,17 @@ impl ValueStore for RedisValues {
     async fn read(&self, key: &LeaseKey, awaited: Option<u64>) -> Result<Read> {
         let awaited = awaited.unwrap_or(0);
         let keys = vec![
-            part(key, Part::Value).into(),
-            key.as_str().into(),
-            failed(key, awaited).into(),
-            part(key, Part::Cooldown).into(),
+            part(key, Part::Value),
+            key.as_str().to_owned(),
+            failed(key, awaited),
+            part(key, Part::Cooldown),
         ];
         let args = vec![awaited.to_string().into()];
         let reply = self
             .backend
             .serving(key.as_str())
             .await?
-            .eval::<Value>(&self.scripts().cache_read, keys, args)
+            .eval(&self.scripts().cache_read, keys, args)
             .await?;
         let Value::Array(parts) = reply else {
             return Err(Error::backend("the cache read script returned no array"));
@@ -131,7 +123,7 @@ impl ValueStore for RedisValues {
 
     async fn fill(&self, key: &LeaseKey, token: &Token, fill: Fill) -> Result<bool> {
         let backend = self.backend.serving(key.as_str()).await?;
-        let keys = vec![key.as_str().into(), part(key, Part::Value).into()];
+        let keys = vec![key.as_str().to_owned(), part(key, Part::Value)];
         let lifetime = fill.ttl.saturating_add(fill.grace);
         let args = vec![
             token.as_str().into(),
@@ -142,18 +134,16 @@ impl ValueStore for RedisValues {
             part(key, Part::Filled).into(),
             fill.round.to_string().into(),
         ];
-        let reply = backend
-            .eval::<Value>(&self.scripts().cache_fill, keys, args)
-            .await?;
+        let reply = backend.eval(&self.scripts().cache_fill, keys, args).await?;
         Ok(reply.as_i64() == Some(1))
     }
 
     async fn fail(&self, key: &LeaseKey, token: &Token, failure: Failure<'_>) -> Result<bool> {
         let backend = self.backend.serving(key.as_str()).await?;
         let keys = vec![
-            key.as_str().into(),
-            failed(key, failure.round).into(),
-            part(key, Part::Cooldown).into(),
+            key.as_str().to_owned(),
+            failed(key, failure.round),
+            part(key, Part::Cooldown),
         ];
         let args = vec![
             token.as_str().into(),
@@ -162,23 +152,20 @@ impl ValueStore for RedisValues {
             part(key, Part::Filled).into(),
             failure.cooldown.map_or(0, |d| ms(d).max(1)).into(),
         ];
-        let reply = backend
-            .eval::<Value>(&self.scripts().cache_fail, keys, args)
-            .await?;
+        let reply = backend.eval(&self.scripts().cache_fail, keys, args).await?;
         Ok(reply.as_i64() == Some(1))
     }
 
     async fn notify(&self, key: &LeaseKey) -> Result<()> {
-        use fred::interfaces::PubsubInterface;
         let backend = self.backend.serving(key.as_str()).await?;
-        let client = backend.client();
         let channel = part(key, Part::Filled);
         // On a cluster node, to the shard channel its waiters SSUBSCRIBE to.
-        let published = if backend.inner.clustered {
-            in_tokio(client.spublish::<i64, _, _>(channel, "1")).await
-        } else {
-            in_tokio(client.publish::<i64, _, _>(channel, "1")).await
+        let command = match backend.inner.clustered {
+            true => "SPUBLISH",
+            false => "PUBLISH",
         };
+        let args = vec![Value::from(channel), Value::from("1")];
+        let published = backend.inner.connection.command(command, args).await;
         published.map(drop).map_err(super::errors::store_error)
     }
 

@@ -1,28 +1,20 @@
-//! Connecting: URLs, connection options, the fred client's settings, loading the scripts,
-//! the server version check; also [`Redlock::connect`] over Redis servers.
+//! Connecting: URLs, connection options, the backend assembled over a client's connections
+//! (loading the scripts, the server version check, the eviction policy, reconnects); also
+//! [`Redlock::connect`] over Redis servers.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fred::interfaces::{ClientLike, EventInterface};
-use fred::prelude::{Builder, Client, Config, ReconnectPolicy};
-use fred::types::config::{ConnectionConfig, PerformanceConfig, UnresponsiveConfig};
-use fred::types::InfoKind;
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use super::batch::Batcher;
 use super::pubsub::PubSub;
-use super::{Inner, RedisBackend, Scripts};
+use super::transport::{self, Connection, Node, Said, Script, Target, Transport, Value};
+use super::{Checks, Inner, RedisBackend, Scripts};
 use crate::backend::redlock::{Redlock, RedlockOptions};
 use crate::error::{Error, Result};
 use crate::runtime::{self, in_tokio};
-use tokio::sync::broadcast::error::RecvError;
-
-/// How many pub/sub messages fred keeps for the subscriber's handler while it is not running
-/// (fred's default: 32). More than that in a burst and the handler misses some: it then wakes
-/// every waiter to look again (see `pubsub.rs`), which costs a round of attempts.
-const MESSAGES_BUFFERED: usize = 1024;
 
 /// Connection settings for [`RedisBackend::connect_with`].
 ///
@@ -53,6 +45,9 @@ pub struct RedisOptions {
     /// How long a server grants nothing after it starts; see
     /// [`restart_quarantine`](Self::restart_quarantine()). Default zero: off.
     pub restart_quarantine: Duration,
+    /// Which client carries the commands; see [`transport`](Self::transport()). Default
+    /// [`Transport::Fred`].
+    pub transport: Transport,
     /// TLS settings for `rediss://` URLs; see [`tls`](Self::tls()). Default: the system's
     /// roots, no client certificate, the URL's host as the server name.
     #[cfg(feature = "tls")]
@@ -68,6 +63,7 @@ impl Default for RedisOptions {
             allow_eviction: false,
             replica_ack: super::ReplicaAck::Off,
             restart_quarantine: Duration::ZERO,
+            transport: Transport::Fred,
             #[cfg(feature = "tls")]
             tls: super::TlsOptions::default(),
         }
@@ -178,6 +174,25 @@ impl RedisOptions {
         self
     }
 
+    /// Which client carries the backend's commands: [`Transport::Fred`] (the default), or
+    /// with the `redis-rs` feature `Transport::RedisRs`. The locks behave the same on both
+    /// (the scripts, group commit, the watchdog's rounds, routing on a cluster and replica
+    /// acknowledgement are the backend's own, above the client); choose redis-rs when the
+    /// application already runs it, so that one client crate serves both (see
+    /// `RedisBackend::from_redis_client` for sharing its client). What a client cannot do
+    /// is refused at connect with [`Error::Unsupported`](crate::Error::Unsupported) naming
+    /// it.
+    ///
+    /// ```
+    /// use redlease::{RedisOptions, Transport};
+    /// let options = RedisOptions::new().transport(Transport::Fred);
+    /// assert_eq!(options.transport, Transport::Fred);
+    /// ```
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
     /// TLS settings for a `rediss://` URL (feature `tls`): a private CA to trust instead of
     /// the system's roots, a client certificate for `tls-auth-clients yes`, the name to check
     /// the server's certificate against. See [`TlsOptions`](super::TlsOptions). A plain
@@ -222,10 +237,9 @@ impl RedisOptions {
     }
 }
 
-/// Checks the URL before fred sees it: fred would take `rediss://` without a TLS feature as
-/// plain TCP, and only log it. Returns fred's configuration (without TLS: see
-/// [`RedisBackend::open`]) and whether the URL asks for TLS.
-fn parse_url(url: &str) -> Result<(Config, bool)> {
+/// Checks the URL before a client sees it: fred would take `rediss://` without a TLS feature
+/// as plain TCP, and only log it. Returns whether the URL asks for TLS.
+pub(super) fn uses_tls(url: &str) -> Result<bool> {
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(Error::invalid(
             "Redis URL must look like redis://host:port (no scheme found)",
@@ -257,21 +271,7 @@ fn parse_url(url: &str) -> Result<(Config, bool)> {
     if host.is_empty() || host.starts_with(':') {
         return Err(Error::invalid("Redis URL has no host"));
     }
-    // fred is given the plain scheme: for a TLS one it would load the system's roots here
-    // (blocking, and failing on any unreadable certificate); `open` adds the TLS settings.
-    let plain = match scheme {
-        "rediss" => format!("redis://{rest}"),
-        "rediss-cluster" => format!("redis-cluster://{rest}"),
-        "valkeys" => format!("valkey://{rest}"),
-        "valkeys-cluster" => format!("valkey-cluster://{rest}"),
-        "rediss-sentinel" => format!("redis-sentinel://{rest}"),
-        "valkeys-sentinel" => format!("valkey-sentinel://{rest}"),
-        _ => url.to_owned(),
-    };
-    // fred's message names the part that failed; it does not echo credentials.
-    let config = Config::from_url(&plain)
-        .map_err(|e| Error::invalid(format!("malformed Redis URL: {e}")))?;
-    Ok((config, tls))
+    Ok(tls)
 }
 
 impl RedisBackend {
@@ -321,155 +321,57 @@ impl RedisBackend {
 
     async fn open(url: &str, options: RedisOptions, wait: bool) -> Result<Self> {
         options.validate()?;
-        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
-        let (mut config, tls) = parse_url(url)?;
+        let tls = uses_tls(url)?;
         #[cfg(feature = "tls")]
-        if tls {
-            options.tls.apply(&mut config).await?;
-        } else if options.tls.is_set() {
+        if !tls && options.tls.is_set() {
             return Err(Error::invalid(
                 "TLS options are set but the URL is not rediss://: the connection would not \
                  be encrypted",
             ));
         }
         #[cfg(not(feature = "tls"))]
-        let _ = tls; // `parse_url` refused a TLS URL
+        let _ = tls; // `uses_tls` refused a TLS URL
         let quarantine = options.restart_quarantine;
-        let backend = if config.server.is_clustered() {
-            // One connection per primary (see `shards`): the seeds are asked for the slot
-            // table now, whether or not the call waits (a cluster's routes must be known).
-            super::shards::Shards::backend(config, NodeSettings::Options(options)).await?
-        } else {
-            Self::open_node(config, options, wait, false).await?
+        let checks = Checks {
+            allow_eviction: options.allow_eviction,
+            ack: options.replica_ack,
         };
+        let target = match options.transport {
+            Transport::Fred => transport::fred::open(url, &options, wait).await?,
+            #[cfg(feature = "redis-rs")]
+            Transport::RedisRs => transport::redis_rs::open(url, &options, wait).await?,
+        };
+        let backend = Self::of_target(target, checks, wait).await?;
         backend.with_restart_quarantine(quarantine)
     }
 
-    /// A backend over one server's connection made from `config`; `slots`: the server is a
-    /// cluster node, where a script call may touch one slot only.
-    pub(super) async fn open_node(
-        mut config: Config,
-        options: RedisOptions,
-        wait: bool,
-        slots: bool,
-    ) -> Result<Self> {
-        let clustered = slots || config.server.is_clustered();
-        // The subscriber connects in `assemble` (a lazy backend's at its first wait), and
-        // fails then if the server is away.
-        let subscriber_config = config.clone();
-        config.fail_fast = wait;
-        let mut builder = Builder::from_config(config);
-        builder
-            .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
-            .with_performance_config(|p| {
-                p.default_command_timeout = options.command_timeout;
-                p.broadcast_channel_capacity = MESSAGES_BUFFERED;
-            })
-            .with_connection_config(|c| {
-                c.connection_timeout = options.connect_timeout;
-                c.internal_command_timeout = options.connect_timeout;
-                c.max_command_attempts = options.max_command_attempts;
-                let silent = options.command_timeout.saturating_mul(2);
-                c.unresponsive = UnresponsiveConfig {
-                    max_timeout: Some(silent),
-                    interval: (silent / 4).max(Duration::from_millis(5)),
-                };
-            });
-        let client = builder.build().map_err(Error::backend)?;
-        builder.set_config(subscriber_config);
-        let subscriber = builder.build_subscriber_client().map_err(Error::backend)?;
-        let policy = Arc::new(Policy::new(options.allow_eviction));
-        Self::assemble(
-            client,
-            subscriber,
-            clustered,
-            wait,
-            policy,
-            options.replica_ack,
-        )
-        .await
-    }
-
-    /// A backend over a fred client the application already has (its connection, its
-    /// settings): the locks share it with the application's own commands. The client is
-    /// connected here if it is not yet; a second, subscriber connection is made from its
-    /// settings for wake-ups. Give the client a reconnect policy and a command timeout (see
-    /// `RedisOptions` for the ones [`connect`](Self::connect) sets): without them, fred lets
-    /// calls hang while the server is away.
-    ///
-    /// **A cluster client** (its config is `ServerConfig::Clustered`) is used for its settings
-    /// only, not for the locks' calls: as [`connect`](Self::connect) does with a
-    /// `redis-cluster://` URL, the backend asks the client's configured nodes for the slot
-    /// table and opens a connection (and, once someone waits, a pub/sub connection) per
-    /// primary, with the client's credentials, TLS, timeouts and reconnect policy, sending
-    /// each lock's calls to the primary that serves its slot. So a primary that is down costs
-    /// only the locks it serves; through fred's cluster client, whose one router stalls every
-    /// shard while it cannot reach one primary, every lease was lost. The client itself need
-    /// not be connected, and [`client`](Self::client) is then the connection to the first
-    /// primary that answered, not the client given here.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> redlease::Result<()> {
-    /// use fred::prelude::{Builder, ClientLike, Config, ReconnectPolicy};
-    /// let mut builder = Builder::from_config(Config::from_url("redis://127.0.0.1:6379").unwrap());
-    /// builder.set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2));
-    /// let client = builder.build().unwrap();
-    /// client.init().await.unwrap();
-    /// let backend = redlease::RedisBackend::from_client(client).await?;
-    /// # let _ = backend; Ok(()) }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Backend`] if the client cannot connect or its settings cannot make a
-    /// subscriber (on a cluster: if none of its configured nodes gives the slot table);
-    /// [`Error::InvalidConfig`] for a server older than Redis 7.0, or one whose
-    /// `maxmemory-policy` may evict keys (see [`RedisOptions::allow_eviction`]).
-    pub async fn from_client(client: Client) -> Result<Self> {
-        let config = client.client_config();
-        let settings = ClientSettings::of(&client);
-        if config.server.is_clustered() {
-            let settings = NodeSettings::Client(settings);
-            return Box::pin(super::shards::Shards::backend(config, settings)).await;
+    /// The backend over what a client opened: one server, or a cluster (one connection per
+    /// primary, see `shards`: the seeds are asked for the slot table now, whether or not the
+    /// call waits, as a cluster's routes must be known).
+    pub(super) async fn of_target(target: Target, checks: Checks, wait: bool) -> Result<Self> {
+        match target {
+            Target::Single(node) => Box::pin(Self::assemble(node, false, wait, checks)).await,
+            Target::Cluster { seeds, connector } => {
+                Box::pin(super::shards::Shards::backend(seeds, connector, checks)).await
+            }
         }
-        let subscriber = settings
-            .builder(config)
-            .build_subscriber_client()
-            .map_err(Error::backend)?;
-        let policy = Arc::new(Policy::new(false));
-        let ack = super::ReplicaAck::Off;
-        Box::pin(Self::assemble(client, subscriber, false, true, policy, ack)).await
     }
 
-    /// A backend over one cluster node's connections, made from `config` with an
-    /// application's client's `settings` (see [`from_client`](Self::from_client)).
-    pub(super) async fn open_client_node(
-        mut config: Config,
-        settings: &ClientSettings,
-        wait: bool,
-    ) -> Result<Self> {
-        let subscriber = settings
-            .builder(config.clone())
-            .build_subscriber_client()
-            .map_err(Error::backend)?;
-        // As in `open_node`: a lazy node's first connection is retried by the policy.
-        config.fail_fast = wait;
-        let client = settings.builder(config).build().map_err(Error::backend)?;
-        let policy = Arc::new(Policy::new(false));
-        let ack = super::ReplicaAck::Off;
-        Box::pin(Self::assemble(client, subscriber, true, wait, policy, ack)).await
-    }
-
-    /// The backend over `client` and `subscriber`: loads the scripts on every connection,
-    /// and (with `wait`) connects now and checks the server.
-    async fn assemble(
-        client: Client,
-        subscriber: fred::clients::SubscriberClient,
+    /// The backend over one server's connections (`clustered`: a cluster node, where a script
+    /// call may touch one slot only): loads the scripts on every connection, and (with
+    /// `wait`) connects now and checks the server.
+    pub(super) async fn assemble(
+        node: Node,
         clustered: bool,
         wait: bool,
-        policy: Arc<Policy>,
-        ack: super::ReplicaAck,
+        checks: Checks,
     ) -> Result<Self> {
+        let Node {
+            connection,
+            subscriber,
+        } = node;
+        let policy = Arc::new(Policy::new(checks.allow_eviction));
+        let ack = checks.ack;
         let scripts = Scripts::new(clustered);
         // Counted for the acknowledgements: a WAIT on a remade connection counts nothing.
         let reconnects = Arc::new(AtomicU64::new(0));
@@ -480,24 +382,23 @@ impl RedisBackend {
         // Each connection also reads the server's eviction policy (a server can be
         // reconfigured, or replaced, between two connections).
         let all = scripts.all();
-        let reloader = client.clone();
+        let reloader = connection.clone();
         let watched = policy.clone();
         // Told to the watchdog after each reconnect (see `Backend::disturbed`): the server
         // may have restarted empty, or be another one.
         let disturbance = Arc::new(event_listener::Event::new());
         let disturb = disturbance.clone();
-        // The connection tasks and this listener run where `init` runs them: on the
+        // Taken before the first connection, whose notice it sees too.
+        let mut events = connection.reconnects();
+        // The connection's tasks and this listener run where the client runs them: on the
         // caller's tokio runtime, or the crate's own one.
-        // (Read from fred's channel here, not through `on_reconnect`, whose loop ends for good
-        // at the first lag: see `pubsub.rs`. A lag is taken for one more reconnect.)
-        let mut events = reloader.reconnect_rx();
         in_tokio(async move {
             drop(tokio::spawn(async move {
-                while let Ok(_) | Err(RecvError::Lagged(_)) = events.recv().await {
+                while events.next().await.is_some() {
                     counted.fetch_add(1, Ordering::AcqRel);
-                    let loads = all.iter().map(|s| s.load(&reloader));
+                    let loads = all.iter().map(|s| load(&*reloader, s));
                     let _ = futures::future::join_all(loads).await;
-                    watched.read(&reloader).await;
+                    watched.read(&*reloader).await;
                     // After the scripts and the policy: the check that follows finds both.
                     disturb.notify(usize::MAX);
                 }
@@ -505,38 +406,33 @@ impl RedisBackend {
         })
         .await;
         if wait {
-            if !client.is_connected() {
-                first_connection(&client).await?;
-            }
+            connection.connect().await?;
             // A user whose ACL refuses INFO is not refused here: the version stays unknown.
-            if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Server))).await {
+            if let Some(info) = info(&*connection, "server").await {
                 check_version(&info)?;
                 ack.check_server(&info)?;
             }
-            if let Ok(info) = in_tokio(client.info::<String>(Some(InfoKind::Memory))).await {
+            if let Some(info) = info(&*connection, "memory").await {
                 policy.observe(&info);
             }
             policy.check()?;
             // Also here, so that they are there when `connect` returns. try_join_all keeps
-            // the loads on the heap: fred's futures are large.
+            // the loads on the heap: a client's futures may be large.
             let all = scripts.all();
-            in_tokio(futures::future::try_join_all(
-                all.iter().map(|s| s.load(&client)),
-            ))
-            .await
-            .map_err(Error::backend)?;
+            futures::future::try_join_all(all.iter().map(|s| load(&*connection, s)))
+                .await
+                .map_err(Error::backend)?;
         } else {
-            let connecting = client.clone();
-            in_tokio(async move { drop(connecting.connect()) }).await;
+            connection.connect_lazily().await;
         }
-        let pubsub = Arc::new(PubSub::new(subscriber, client.clone(), clustered));
+        let pubsub = Arc::new(PubSub::new(subscriber, connection.clone(), clustered));
         if wait {
             // Now rather than at the first wait: a user whose ACL refuses the lock channels
             // is told at connect (a lazy backend checks at its first wait).
             Box::pin(pubsub.connect()).await;
         }
         let inner = Arc::new(Inner {
-            client,
+            connection,
             scripts,
             pubsub,
             clustered,
@@ -560,66 +456,20 @@ impl RedisBackend {
     /// Resolves when connected (at once if connected already); `false` if the client gave
     /// up on the first connection.
     pub(super) async fn ready(&self) -> bool {
-        in_tokio(self.inner.client.wait_for_connect()).await.is_ok()
+        self.inner.connection.ready().await
     }
 }
 
-/// How the connections to a cluster's nodes are made, besides their server (see `shards`).
-#[derive(Clone)]
-pub(super) enum NodeSettings {
-    /// With the options given to [`RedisBackend::connect_with`].
-    Options(RedisOptions),
-    /// With the settings of an application's client ([`RedisBackend::from_client`]).
-    Client(ClientSettings),
+/// `SCRIPT LOAD` of `script` on `connection`.
+pub(super) async fn load(connection: &dyn Connection, script: &Script) -> Said<()> {
+    let args = vec![Value::from("LOAD"), Value::from(script.text())];
+    connection.command("SCRIPT", args).await.map(drop)
 }
 
-/// What [`RedisBackend::from_client`] copies from the application's client for connections
-/// of its own (the credentials and TLS are in the client's `Config`).
-#[derive(Clone)]
-pub(super) struct ClientSettings {
-    performance: PerformanceConfig,
-    connection: ConnectionConfig,
-    /// `None`: the client has no reconnect policy, and neither have these connections.
-    reconnect: Option<ReconnectPolicy>,
-}
-
-impl ClientSettings {
-    fn of(client: &Client) -> Self {
-        ClientSettings {
-            performance: client.perf_config(),
-            connection: client.connection_config().clone(),
-            reconnect: client.client_reconnect_policy(),
-        }
-    }
-
-    /// A builder of connections to `config`'s server with these settings; its subscribers
-    /// buffer at least [`MESSAGES_BUFFERED`] messages.
-    fn builder(&self, config: Config) -> Builder {
-        let mut builder = Builder::from_config(config);
-        builder
-            .set_performance_config(self.performance.clone())
-            .set_connection_config(self.connection.clone())
-            .with_performance_config(|p| {
-                p.broadcast_channel_capacity = p.broadcast_channel_capacity.max(MESSAGES_BUFFERED)
-            });
-        if let Some(policy) = &self.reconnect {
-            builder.set_policy(policy.clone());
-        }
-        builder
-    }
-}
-
-/// Connects `client` for the first time; over TLS, a server that does not speak it is named
-/// at once rather than at the connect timeout.
-async fn first_connection(client: &Client) -> Result<()> {
-    #[cfg(feature = "tls")]
-    if client.client_config().uses_tls() {
-        return Box::pin(super::tls::first_connection(client)).await;
-    }
-    in_tokio(client.init())
-        .await
-        .map(drop)
-        .map_err(Error::backend)
+/// `INFO section`'s text; `None` if the server did not answer or refused it.
+async fn info(connection: &dyn Connection, section: &'static str) -> Option<String> {
+    let reply = connection.command("INFO", vec![section.into()]).await;
+    reply.ok().and_then(|v| v.as_string())
 }
 
 /// After a `READONLY`: the connection is remade (at most once a second), so that a client
@@ -631,7 +481,7 @@ pub(super) struct Demoted {
 }
 
 impl Demoted {
-    pub(super) fn reconnect(&self, client: &Client) {
+    pub(super) fn reconnect(&self, connection: &dyn Connection) {
         {
             let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
             if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
@@ -643,10 +493,7 @@ impl Demoted {
             "the Redis server answered READONLY: it is a replica now; reconnecting to find the \
              primary"
         );
-        let client = client.clone();
-        crate::runtime::background().spawn(async move {
-            let _ = in_tokio(client.force_reconnection()).await;
-        });
+        connection.reconnect();
     }
 }
 
@@ -667,7 +514,7 @@ async fn watch_policy(inner: std::sync::Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        if inner.policy.read(&inner.client).await {
+        if inner.policy.read(&*inner.connection).await {
             inner.disturbance.notify(usize::MAX);
         }
     }
@@ -696,11 +543,10 @@ impl Policy {
 
     /// Reads the policy (`INFO memory`) on `client`, within a second; `true` if it has just
     /// turned to one that is refused. A server that does not answer changes nothing.
-    pub(super) async fn read(&self, client: &Client) -> bool {
+    pub(super) async fn read(&self, connection: &dyn Connection) -> bool {
         let was = self.refusing();
-        let info =
-            tokio::time::timeout(POLICY_EVERY, client.info::<String>(Some(InfoKind::Memory))).await;
-        if let Ok(Ok(info)) = info {
+        let info = tokio::time::timeout(POLICY_EVERY, info(connection, "memory")).await;
+        if let Ok(Some(info)) = info {
             self.observe(&info);
         }
         !was && self.refusing()
@@ -709,7 +555,7 @@ impl Policy {
     /// For an extension call: reads the policy (in a tokio context) unless it was read in
     /// the last [`POLICY_FRESH`] or an evicting server is accepted, so that a policy changed
     /// at run time is seen by the next round; `true` while a refused policy holds.
-    pub(super) async fn read_in(&self, client: &Client) -> bool {
+    pub(super) async fn read_in(&self, connection: &dyn Connection) -> bool {
         if self.allowed {
             return false;
         }
@@ -722,7 +568,7 @@ impl Policy {
             stale
         };
         if stale {
-            in_tokio(self.read(client)).await;
+            in_tokio(self.read(connection)).await;
         }
         self.refusing()
     }

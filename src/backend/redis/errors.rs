@@ -1,31 +1,18 @@
 //! The Redis server's errors, read: which may pass if a call is tried again soon (a
 //! failover, a reconnect), and which say the server is a replica now.
 
+use super::transport::Failure;
 use crate::error::Error;
 
-/// A fred error as the crate's: [`Unavailable`](crate::backend::Unavailable) for one that
-/// may pass if the call is tried again soon (the connection, a timeout, a failover or a
-/// resharding in progress, a server still loading, no connection to send it on yet), so that a waiting acquire waits on
-/// through it; any other as it is.
-pub(super) fn store_error(e: fred::error::Error) -> Error {
-    use fred::error::ErrorKind;
-    let passing = matches!(
-        e.kind(),
-        ErrorKind::IO
-            | ErrorKind::Timeout
-            | ErrorKind::Canceled
-            | ErrorKind::Routing
-            | ErrorKind::Sentinel
-            | ErrorKind::Cluster
-            | ErrorKind::Backpressure
-    ) || passing(e.details())
-        // fred's word for a command with no connection to go on (dropped, not yet remade),
-        // of kind `Unknown` (fred 10.1, router/commands.rs).
-        || e.details().starts_with("Failed to route command");
-    if passing {
-        Error::backend(crate::backend::Unavailable(e.to_string()))
+/// A client's failure as the crate's error: [`Unavailable`](crate::backend::Unavailable)
+/// for one that may pass if the call is tried again soon (the connection, a timeout, a
+/// failover or a resharding in progress, a server still loading), so that a waiting acquire
+/// waits on through it; any other as it is.
+pub(super) fn store_error(f: Failure) -> Error {
+    if f.connection || passing(&f.said) {
+        Error::backend(crate::backend::Unavailable(f.message))
     } else {
-        Error::backend(e)
+        Error::backend(f)
     }
 }
 

@@ -5,11 +5,9 @@
 
 use std::collections::HashMap;
 
-use fred::types::scripts::Script;
-use fred::types::{Key, Value};
-
 use super::errors::{passing, readonly};
 use super::keys::{check_ttl, ms};
+use super::transport::{self, Script, Value};
 use super::RedisBackend;
 use crate::backend::{clock_drift, Extended, Lease, NodeTerms};
 use crate::error::{Error, Result};
@@ -58,8 +56,10 @@ impl RedisBackend {
                 .into_iter()
                 .map(move |idx| async move {
                     let (keys, args) = lease_args(leases, &idx, min_uptime);
-                    let reply: Result<Vec<Value>> =
-                        self.eval(script, self.declared(keys), args).await;
+                    let reply = self
+                        .eval(script, self.declared(keys), args)
+                        .await
+                        .map(Value::into_array);
                     (idx, reply)
                 })
         });
@@ -68,7 +68,7 @@ impl RedisBackend {
         // changed at run time is seen by the next round.
         let (replies, evicting) = futures::join!(
             futures::future::join_all(calls),
-            self.inner.policy.read_in(&self.inner.client)
+            self.inner.policy.read_in(&*self.inner.connection)
         );
         if evicting {
             // Any lease may be evicted now without a word: none can be guaranteed.
@@ -93,7 +93,7 @@ impl RedisBackend {
                 Ok(reply) => {
                     for (i, v) in idx.into_iter().zip(reply) {
                         // (Only an error's text is a string: no conversion per lease.)
-                        demoted |= matches!(&v, Value::String(s) if readonly(s));
+                        demoted |= matches!(&v, Value::Bytes(s) if s.starts_with(b"READONLY"));
                         out[i] = Some(extended(&leases[i], v));
                     }
                 }
@@ -135,7 +135,7 @@ impl RedisBackend {
         }
         let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
         for &i in which {
-            let slot = fred::util::redis_keyslot(leases[i].key.as_str().as_bytes());
+            let slot = transport::slot(leases[i].key.as_str().as_bytes());
             by_slot.entry(slot).or_default().push(i);
         }
         by_slot
@@ -151,8 +151,11 @@ impl RedisBackend {
 
 /// An extend script's keys and arguments for the leases `idx`: each lock's key; the minimum
 /// uptime, then each lease's token and TTL.
-fn lease_args(leases: &[Lease<'_>], idx: &[usize], min_uptime: i64) -> (Vec<Key>, Vec<Value>) {
-    let keys = idx.iter().map(|&i| leases[i].key.as_str().into()).collect();
+fn lease_args(leases: &[Lease<'_>], idx: &[usize], min_uptime: i64) -> (Vec<String>, Vec<Value>) {
+    let keys = idx
+        .iter()
+        .map(|&i| leases[i].key.as_str().to_owned())
+        .collect();
     let mut args: Vec<Value> = Vec::with_capacity(idx.len() * 2 + 1);
     args.push(min_uptime.into());
     for &i in idx {

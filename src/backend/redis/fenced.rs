@@ -6,11 +6,10 @@
 //! resource remembers the newest token it applied and rejects older ones.
 
 use bytes::Bytes;
-use fred::types::{Key, Value};
 
+use super::transport::Value;
 use super::RedisBackend;
 use crate::error::{Error, Result};
-use crate::runtime::in_tokio;
 
 /// The outcome of [`RedisBackend::fenced_set`].
 ///
@@ -95,11 +94,12 @@ impl RedisBackend {
             value.clone(),
             fencing_token
         ));
-        let keys = vec![Key::from(key)];
+        let keys = vec![key.to_owned()];
         let args = vec![Value::Bytes(value), Value::from(fencing_token.to_string())];
-        let reply: Vec<Value> = self
+        let reply = self
             .eval(&self.inner.scripts.fenced_set, keys, args)
-            .await?;
+            .await?
+            .into_array();
         let token = |v: &Value| {
             v.as_string()
                 .and_then(|s| s.parse::<u64>().ok())
@@ -123,11 +123,18 @@ impl RedisBackend {
     ///
     /// [`Error::Backend`] if Redis fails, or `key` holds something other than a hash.
     pub async fn fenced_get(&self, key: &str) -> Result<Option<(Bytes, u64)>> {
-        use fred::interfaces::HashesInterface;
         on_shard!(self, key, |node| node.fenced_get(key));
-        let fields: Vec<Option<Bytes>> = in_tokio(self.client().hmget(key, vec!["v", "f"]))
+        let args = vec![Value::from(key), Value::from("v"), Value::from("f")];
+        let fields: Vec<Option<Bytes>> = self
+            .inner
+            .connection
+            .command("HMGET", args)
             .await
-            .map_err(Error::backend)?;
+            .map_err(super::errors::store_error)?
+            .into_array()
+            .into_iter()
+            .map(Value::into_bytes)
+            .collect();
         match fields.as_slice() {
             [Some(v), Some(f)] => {
                 let token = std::str::from_utf8(f)

@@ -7,11 +7,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use fred::interfaces::ClientLike;
-use fred::types::scripts::Script;
-use fred::types::{Key, Value};
-
 use super::keys::ms;
+use super::transport::{self, Script, Value};
 use super::RedisBackend;
 use crate::backend::{clock_drift, Acquire, Attempt, Claim, Grant, NodeTerms, NotSent, Refused};
 use crate::error::{Error, Result};
@@ -28,7 +25,7 @@ static SENT: AtomicU64 = AtomicU64::new(0);
 /// A new send number: strictly larger than every one taken before in this process. Every
 /// acquire and release takes one when it is made, before anything is sent, and sends it with
 /// each lease ("Send order" in `scripts/prelude.lua`): a release ends only a lease granted by
-/// an acquire sent before it, so a late copy of a release (re-sent by fred after a reconnect
+/// an acquire sent before it, so a late copy of a release (re-sent by a client after a reconnect
 /// while the first copy still waited somewhere on its way) cannot end the lease that a later
 /// acquire with the same token was granted. A token is used by one process only, so the
 /// numbers compared for one token all come from this counter.
@@ -163,8 +160,7 @@ impl RedisBackend {
     async fn ops_batch(self, ops: Vec<Op>) -> Result<Vec<Outcome>> {
         let count = ops.len();
         let clustered = self.inner.clustered;
-        let slot =
-            |op: &Op| clustered.then(|| fred::util::redis_keyslot(op.key().as_str().as_bytes()));
+        let slot = |op: &Op| clustered.then(|| transport::slot(op.key().as_str().as_bytes()));
         let phases = if count == 1 {
             // A lone call (the inline path): no grouping to do.
             ops.iter()
@@ -231,14 +227,14 @@ impl RedisBackend {
         width: usize,
         entry: impl Fn(&Op) -> Option<(&Claim, I)>,
     ) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
+        let mut keys: Vec<String> = Vec::with_capacity(ops.len());
         let mut args: Vec<Value> = Vec::with_capacity(ops.len() * width);
         for (claim, values) in ops.iter().filter_map(entry) {
-            keys.push(claim.key.as_str().into());
+            keys.push(claim.key.as_str().to_owned());
             args.extend(values);
         }
-        let reply: Vec<Value> = self.eval(script, self.declared(keys), args).await?;
-        pairs(reply, ops)
+        let reply = self.eval(script, self.declared(keys), args).await?;
+        pairs(reply.into_array(), ops)
     }
 
     /// Plain attempts as one `acquire.lua` call.
@@ -340,7 +336,7 @@ impl RedisBackend {
     /// Releases and abandons as one `release.lua` call; one `{1|0, 0}` (or the error of its
     /// own commands) per request.
     async fn release_batch(&self, ops: &[Op]) -> Result<Vec<Outcome>> {
-        let mut keys: Vec<Key> = Vec::with_capacity(ops.len());
+        let mut keys: Vec<String> = Vec::with_capacity(ops.len());
         let mut args: Vec<Value> = Vec::with_capacity(ops.len() * 3);
         for op in ops {
             let Op::Release {
@@ -352,16 +348,17 @@ impl RedisBackend {
             else {
                 continue;
             };
-            keys.push(key.as_str().into());
+            keys.push(key.as_str().to_owned());
             args.extend([
                 token.as_str().into(),
                 ms(*tombstone).into(),
                 i64::try_from(*sent).unwrap_or(i64::MAX).into(),
             ]);
         }
-        let reply: Vec<Value> = self
+        let reply = self
             .eval(&self.inner.scripts.release, self.declared(keys), args)
-            .await?;
+            .await?
+            .into_array();
         Ok(ops
             .iter()
             .zip(reply)
@@ -375,17 +372,11 @@ impl RedisBackend {
     /// Fails at once when the connection is down and the caller asked to (a quorum member
     /// that does not answer now is better skipped than waited for).
     pub(super) fn check_connected(&self, terms: NodeTerms) -> Result<()> {
-        if terms.fail_fast && !self.inner.client.is_connected() {
+        let connection = &self.inner.connection;
+        if terms.fail_fast && !connection.is_connected() {
             return Err(Error::backend(NotSent(format!(
                 "not connected to {} (reconnecting)",
-                self.inner
-                    .client
-                    .client_config()
-                    .server
-                    .hosts()
-                    .first()
-                    .map(|h| format!("{}:{}", h.host, h.port))
-                    .unwrap_or_default()
+                connection.server()
             ))));
         }
         Ok(())
@@ -402,7 +393,7 @@ impl RedisBackend {
         sent: u64,
     ) -> Result<Acquire> {
         let (key, hold) = (&claim.key, &claim.token);
-        let keys = vec![Key::from(key.as_str())];
+        let keys = vec![key.as_str().to_owned()];
         // As for plain attempts: the waiters flag outlives the next re-check.
         let flag = attempt.keep_waiter().map_or(0, ms);
         let arriving = i64::from(matches!(attempt, Attempt::Arriving { .. }));
@@ -417,13 +408,14 @@ impl RedisBackend {
             hold.label().unwrap_or_default().into(),
             i64::try_from(sent).unwrap_or(i64::MAX).into(),
         ];
-        let reply: Vec<Value> = self
+        let reply = self
             .eval(
                 &self.inner.scripts.reentrant_acquire,
                 self.declared(keys),
                 args,
             )
-            .await?;
+            .await?
+            .into_array();
         let int = |v: Option<&Value>| v.and_then(Value::as_i64);
         match (int(reply.first()), reply.len()) {
             (Some(1), 4) => {
@@ -455,7 +447,7 @@ impl RedisBackend {
         sent: u64,
     ) -> Result<Option<u32>> {
         let (key, hold) = (&claim.key, &claim.token);
-        let keys = vec![Key::from(key.as_str())];
+        let keys = vec![key.as_str().to_owned()];
         let tombstone = if lease.is_some() { 0 } else { ms(TOMBSTONE) };
         let args: Vec<Value> = vec![
             owner.as_str().into(),
@@ -464,16 +456,20 @@ impl RedisBackend {
             tombstone.into(),
             i64::try_from(sent).unwrap_or(i64::MAX).into(),
         ];
-        let reply: Vec<i64> = self
+        let reply: Vec<Option<i64>> = self
             .eval(
                 &self.inner.scripts.reentrant_release,
                 self.declared(keys),
                 args,
             )
-            .await?;
+            .await?
+            .into_array()
+            .iter()
+            .map(Value::as_i64)
+            .collect();
         match reply.as_slice() {
-            [1, left] => Ok(Some(u32::try_from(*left).unwrap_or(0))),
-            [0, _] => Ok(None),
+            [Some(1), Some(left)] => Ok(Some(u32::try_from(*left).unwrap_or(0))),
+            [Some(0), _] => Ok(None),
             other => Err(Error::backend(format!(
                 "unexpected reply from the reentrant release script: {other:?}"
             ))),
@@ -496,15 +492,15 @@ impl RedisBackend {
     /// [`Error::Backend`] if Redis fails.
     pub async fn force_release(&self, key: &LeaseKey) -> Result<bool> {
         on_shard!(self, key.as_str(), |node| node.force_release(key));
-        let keys: Vec<Key> = vec![key.as_str().into()];
-        let deleted: i64 = self
+        let keys = vec![key.as_str().to_owned()];
+        let deleted = self
             .eval(
                 &self.inner.scripts.force_release,
                 self.declared(keys),
-                Vec::<Value>::new(),
+                Vec::new(),
             )
             .await?;
-        Ok(deleted > 0)
+        Ok(deleted.as_i64().unwrap_or(0) > 0)
     }
 }
 

@@ -4,11 +4,11 @@
 //! check finds out whether messages reach it at all (an ACL may refuse the channels).
 //!
 //! On a cluster node, Redis ends the shard channels of a slot that leaves the node, and says
-//! so only in a notice that fred drops: [`PubSub::verify`] finds such losses (the cluster's
-//! slot watch calls it), and [`PubSub::ended`] keeps an ended channel from being sent a
-//! SUNSUBSCRIBE that the node would answer `MOVED` (fred takes (S)UNSUBSCRIBE to have no
-//! reply of its own, and hands such an error to the next command on the connection as its
-//! reply).
+//! so only in a notice that a client may drop (fred does): [`PubSub::verify`] finds such
+//! losses (the cluster's slot watch calls it), and [`PubSub::ended`] keeps an ended channel
+//! from being sent a SUNSUBSCRIBE that the node would answer `MOVED` (fred takes
+//! (S)UNSUBSCRIBE to have no reply of its own, and hands such an error to the next command
+//! on the connection as its reply).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,23 +16,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use event_listener::{Event, IntoNotification};
-use fred::clients::SubscriberClient;
-use fred::interfaces::{ClientInterface, ClientLike, EventInterface, PubsubInterface};
-use fred::prelude::Client;
-use fred::types::Value;
-use tokio::sync::broadcast::error::RecvError;
+use futures::StreamExt;
 
 use super::keys::{part, Part};
+use super::transport::{self, Connection, Notice, Said, Subscriber, Value};
 use crate::backend::Subscription;
-use crate::error::{Error, Result};
-use crate::runtime::{self, in_tokio};
+use crate::error::Result;
+use crate::runtime;
 use crate::token::{LeaseKey, Token};
 
 /// The subscriber connection and its channels.
 pub(super) struct PubSub {
-    pub(super) client: SubscriberClient,
+    pub(super) subscriber: Arc<dyn Subscriber>,
     /// The backend's command connection: it publishes the check's message.
-    publisher: Client,
+    publisher: Arc<dyn Connection>,
     /// A cluster node: shard channels (SSUBSCRIBE, SPUBLISH). The check's channel is mostly
     /// served by another node (answered MOVED), so a count of 0 proves nothing there: only a
     /// refused publish is seen.
@@ -63,8 +60,8 @@ enum Check {
     Delivered,
     /// PUBLISH was refused (the server's words): releases wake nobody.
     PublishRefused(String),
-    /// PUBLISH reached no subscriber: the SUBSCRIBE was refused (fred reports no error for
-    /// it, as its reply comes out of band).
+    /// PUBLISH reached no subscriber: the SUBSCRIBE was refused (a client may report no
+    /// error for it, as its reply comes out of band).
     SubscribeRefused,
     /// The check could not tell (a timeout, a dropped connection, a cluster).
     Unknown,
@@ -112,9 +109,13 @@ fn wake_all(channels: &Mutex<HashMap<String, Channel>>) {
 }
 
 impl PubSub {
-    pub(super) fn new(client: SubscriberClient, publisher: Client, clustered: bool) -> Self {
+    pub(super) fn new(
+        subscriber: Arc<dyn Subscriber>,
+        publisher: Arc<dyn Connection>,
+        clustered: bool,
+    ) -> Self {
         PubSub {
-            client,
+            subscriber,
             publisher,
             clustered,
             ops: Arc::new(futures::lock::Mutex::new(false)),
@@ -165,28 +166,26 @@ impl PubSub {
         if self.subscribe_to(channel.clone()).await.is_err() {
             return Check::Unknown;
         }
-        let published = if self.clustered {
-            in_tokio(self.publisher.spublish::<i64, _, _>(channel.clone(), "")).await
+        let command = if self.clustered {
+            "SPUBLISH"
         } else {
-            in_tokio(self.publisher.publish::<i64, _, _>(channel.clone(), "")).await
+            "PUBLISH"
         };
+        let args = vec![Value::from(channel.as_str()), Value::from("")];
+        let published = self.publisher.command(command, args).await;
         let _ = self.unsubscribe(channel).await;
-        match published {
-            Err(e) if e.details().starts_with("NOPERM") => {
-                Check::PublishRefused(e.details().to_owned())
-            }
-            Err(_) => Check::Unknown,
-            Ok(0) if !self.clustered => Check::SubscribeRefused,
-            Ok(_) => Check::Delivered,
+        match published.map(|n| n.as_i64()) {
+            Err(e) if e.is("NOPERM") => Check::PublishRefused(e.said),
+            Err(_) | Ok(None) => Check::Unknown,
+            Ok(Some(0)) if !self.clustered => Check::SubscribeRefused,
+            Ok(Some(_)) => Check::Delivered,
         }
     }
 
     /// Says what the check found (a warning when waiters are left to poll), and keeps it.
     fn report(&self, check: Check) {
-        let config = self.publisher.client_config();
-        let server = config.server.hosts().first().map(ToString::to_string);
-        let server = server.as_deref().unwrap_or("?");
-        let user = config.username.as_deref().unwrap_or("default");
+        let server = self.publisher.server();
+        let user = self.publisher.user();
         let why = match check {
             Check::Delivered | Check::Unknown => return,
             Check::PublishRefused(said) => format!("may not PUBLISH to them ({said})"),
@@ -205,66 +204,54 @@ impl PubSub {
     }
 
     /// Connects the subscriber and installs its handlers on the crate's background runtime,
-    /// so they keep running whichever runtime the waiters use.
+    /// so they keep running whichever runtime the waiters use. A lag (messages the client
+    /// dropped) wakes every waiter to look again, as a reconnect does.
     ///
-    /// The handlers read fred's broadcast channels themselves rather than through
-    /// `on_message`/`on_reconnect`, whose loop ends for good at the first `Lagged` (a burst
-    /// of messages larger than the channel while the handler was not running): every
-    /// later release would then wake nobody in this process. Here a lag wakes every waiter
-    /// to look again, as a reconnect does (the messages it dropped are lost).
-    ///
-    /// After a reconnect the handler subscribes to the channels again itself (not fred's
-    /// `manage_subscriptions`), and wakes the waiters only once the server has confirmed it:
-    /// a waiter woken earlier would re-check while a release's message could still reach
-    /// nobody, and then sleep until its fallback re-check.
+    /// After a reconnect the handler subscribes to the channels again itself (not a
+    /// client's own re-subscription), and wakes the waiters only once the server has
+    /// confirmed it: a waiter woken earlier would re-check while a release's message could
+    /// still reach nobody, and then sleep until its fallback re-check.
     async fn start(&self) -> Result<()> {
-        let client = self.client.clone();
-        let channels = self.channels.clone();
-        let ops = self.ops.clone();
-        let clustered = self.clustered;
-        let started = runtime::background().run(async move {
-            let mut messages = client.message_rx();
-            let mut reconnects = client.reconnect_rx();
-            client.init().await?;
-            let on_message = channels.clone();
-            runtime::background().spawn(async move {
-                loop {
-                    match messages.recv().await {
-                        Ok(msg) => deliver(&on_message, &msg.channel, &msg.value),
-                        Err(RecvError::Lagged(_)) => wake_all(&on_message),
-                        Err(RecvError::Closed) => break,
+        let (mut messages, mut reconnects) = self.subscriber.start().await?;
+        let on_message = self.channels.clone();
+        runtime::background().spawn(async move {
+            while let Some(notice) = messages.next().await {
+                match notice {
+                    Notice::Message { channel, payload } => {
+                        deliver(&on_message, &channel, &payload)
                     }
+                    Notice::Lagged => wake_all(&on_message),
                 }
-            });
-            runtime::background().spawn(async move {
-                // Messages published while the connection was down are lost: wake every
-                // waiter to re-check at once instead of at its fallback timer, once the
-                // channels are subscribed again.
-                while let Ok(_) | Err(RecvError::Lagged(_)) = reconnects.recv().await {
-                    resubscribe_and_wake(&client, clustered, &ops, &channels).await;
-                }
-            });
-            Ok::<_, fred::error::Error>(())
+            }
         });
-        match started.await {
-            Some(result) => result.map_err(super::errors::store_error),
-            None => Err(Error::backend("the background runtime is gone")),
-        }
+        let (subscriber, channels, ops) = (
+            self.subscriber.clone(),
+            self.channels.clone(),
+            self.ops.clone(),
+        );
+        let clustered = self.clustered;
+        runtime::background().spawn(async move {
+            // Messages published while the connection was down are lost: wake every
+            // waiter to re-check at once instead of at its fallback timer, once the
+            // channels are subscribed again.
+            while reconnects.next().await.is_some() {
+                resubscribe_and_wake(&*subscriber, clustered, &ops, &channels).await;
+            }
+        });
+        Ok(())
     }
 
     /// SUBSCRIBE, or on a cluster node SSUBSCRIBE: a cluster's releases are published to
     /// their shard only (`SPUBLISH`, see `Scripts::new`).
-    async fn subscribe_to(&self, channel: String) -> fred::prelude::FredResult<()> {
-        subscribe(&self.client, self.clustered, vec![channel]).await
+    async fn subscribe_to(&self, channel: String) -> Said<()> {
+        self.subscriber
+            .subscribe(vec![channel], self.clustered)
+            .await
     }
 
     /// UNSUBSCRIBE, or on a cluster node SUNSUBSCRIBE.
-    async fn unsubscribe(&self, channel: String) -> fred::prelude::FredResult<()> {
-        if self.clustered {
-            in_tokio(self.client.sunsubscribe(channel)).await
-        } else {
-            in_tokio(self.client.unsubscribe(channel)).await
-        }
+    async fn unsubscribe(&self, channel: String) -> Said<()> {
+        self.subscriber.unsubscribe(channel, self.clustered).await
     }
 
     /// Subscribes to `channel`. `broadcast`: every message wakes every local listener (cache
@@ -329,7 +316,7 @@ impl PubSub {
     /// fails, or, once the replies have shifted, takes the reply of the command before it).
     pub(super) fn ended(&self, slot: u16) {
         for (name, c) in lock_map(&self.channels).iter_mut() {
-            if fred::util::redis_keyslot(name.as_bytes()) == slot {
+            if transport::slot(name.as_bytes()) == slot {
                 c.ended = true;
             }
         }
@@ -337,7 +324,7 @@ impl PubSub {
 
     /// On a cluster node: checks that the node still has every shard channel that waiters
     /// here listen to, and subscribes again if not. Redis ends the shard channels of a slot
-    /// that leaves the node (fred drops the notice); a slot that leaves and comes back between
+    /// that leaves the node (a client may drop the notice); a slot that leaves and comes back between
     /// two looks at the slot table changes nothing in the table, and its waiters would hear
     /// nothing more. The count the node keeps for the subscriber connection (`CLIENT LIST
     /// ID`, field `ssub`) is compared with the channels that have waiters here; when it is
@@ -407,16 +394,15 @@ impl PubSub {
     /// ID`, field `ssub`, Redis 7.0 and later); `None` when it cannot tell (not connected, or
     /// the command refused: then never asked again, with a warning).
     async fn shard_channels(&self) -> Option<usize> {
-        use fred::types::{ClusterHash, CustomCommand};
-        let id = self.client.connection_ids().into_values().next()?;
-        let command = CustomCommand::new_static("CLIENT", ClusterHash::Random, false);
+        let id = self.subscriber.connection_id()?;
         let args: Vec<Value> = vec!["LIST".into(), "ID".into(), id.into()];
-        match in_tokio(self.publisher.custom::<String, _>(command, args)).await {
+        match self.publisher.command("CLIENT", args).await {
             Ok(line) => line
+                .as_string()?
                 .split_whitespace()
                 .find_map(|field| field.strip_prefix("ssub="))
                 .and_then(|n| n.parse().ok()),
-            Err(e) if e.details().starts_with("NOPERM") => {
+            Err(e) if e.is("NOPERM") => {
                 self.verifiable.store(false, Ordering::Release);
                 tracing::warn!(
                     error = %e,
@@ -432,39 +418,6 @@ impl PubSub {
     }
 }
 
-/// SUBSCRIBE, or on a cluster node SSUBSCRIBE, of `channels`; returns once the server has
-/// processed it, so that a check of the lock made after it cannot miss a release's message.
-///
-/// fred answers a SUBSCRIBE's caller before the command is even written (its reply comes out
-/// of band), so a PING follows it on the same connection: the server answers in order. A
-/// SUBSCRIBE the server refused (an ACL) hands its `NOPERM` to the PING: answered too
-/// (waiters then find releases by their fallback re-check, which `PubSub::check` warned
-/// of). No answer (a timeout, a dropped connection, fred's router gone) is the connection's
-/// trouble: the subscription may not be in place. fred waits for an SSUBSCRIBE's own reply
-/// (one per channel: a cluster node's SSUBSCRIBE takes the channels of one slot).
-async fn subscribe(
-    client: &SubscriberClient,
-    clustered: bool,
-    channels: Vec<String>,
-) -> fred::prelude::FredResult<()> {
-    if channels.is_empty() {
-        return Ok(());
-    }
-    if clustered {
-        let each = channels.into_iter().map(|c| in_tokio(client.ssubscribe(c)));
-        return futures::future::try_join_all(each).await.map(drop);
-    }
-    in_tokio(client.subscribe(channels)).await?;
-    match in_tokio(client.ping::<Value>(None)).await {
-        Ok(_) => Ok(()),
-        Err(e) if e.details().starts_with("NOPERM") => Ok(()),
-        Err(e) => Err(fred::error::Error::new(
-            fred::error::ErrorKind::IO,
-            format!("the subscription was not confirmed: {e}"),
-        )),
-    }
-}
-
 /// After a reconnect: subscribes the new connection to every channel that has local waiters,
 /// and wakes them all once the server has confirmed it, so that a release whose message
 /// reached nobody (published before the server had the subscription again) is seen by their
@@ -472,7 +425,7 @@ async fn subscribe(
 /// too, and is made again after a pause while the connection is up; a connection that drops
 /// again leaves it to the next reconnect.
 async fn resubscribe_and_wake(
-    client: &SubscriberClient,
+    subscriber: &dyn Subscriber,
     clustered: bool,
     ops: &futures::lock::Mutex<bool>,
     channels: &Mutex<HashMap<String, Channel>>,
@@ -483,12 +436,12 @@ async fn resubscribe_and_wake(
             // In order with the waiters' SUBSCRIBE/UNSUBSCRIBE: the map is the server's set.
             let _order = ops.lock().await;
             let names = lock_map(channels).keys().cloned().collect();
-            subscribe(client, clustered, names).await
+            subscriber.subscribe(names, clustered).await
         };
         wake_all(channels);
         let Err(e) = tried else { return };
         tracing::warn!(error = %e, "re-subscribing after a reconnect failed; trying again");
-        if !client.is_connected() {
+        if !subscriber.is_connected() {
             return;
         }
         runtime::sleep(pause).await;

@@ -5,7 +5,9 @@
 //! fred's cluster client has one router for every shard: when a connection breaks it
 //! re-syncs them all, and that sync fails as long as a dead primary still owns slots, so one
 //! primary down stalled the commands to the healthy ones too (every lease was lost). Here a
-//! dead primary fails only the calls for its own slots.
+//! dead primary fails only the calls for its own slots. The routing is the backend's own,
+//! whichever client carries the commands: a client is only asked for one node's connections
+//! (`transport::Connector`).
 //!
 //! The table comes from `CLUSTER SLOTS`, asked of any node that answers (the connected ones
 //! first, then the seeds and the addresses in the table, on a connection of their own), at
@@ -21,15 +23,12 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use event_listener::Event;
-use fred::interfaces::ClientLike;
-use fred::prelude::Config;
-use fred::types::config::ServerConfig;
-use fred::types::{ClusterHash, CustomCommand, Value};
 
-use super::{NodeSettings, RedisBackend};
+use super::transport::{self, Connector, Value};
+use super::{Checks, RedisBackend};
 use crate::backend::{Backend, Claim, Extended, Lease, NodeTerms, Subscription};
 use crate::error::{Error, Result};
-use crate::runtime::{in_tokio, Rt};
+use crate::runtime::Rt;
 
 /// At most one table refresh per this long after a failed call (a dead node fails every
 /// call for it; one refresh tells where its slots went).
@@ -59,12 +58,11 @@ const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// The primaries of a cluster and the slots each serves.
 pub(super) struct Shards {
-    /// The cluster's settings (credentials, TLS), made into one node's by replacing the
-    /// server.
-    template: Config,
-    /// The rest of a node's settings (timeouts, reconnects): `connect`'s options, or those of
-    /// the application's client given to `from_client`.
-    settings: NodeSettings,
+    /// Opens a node's connections with the cluster's settings (credentials, TLS, timeouts,
+    /// reconnects).
+    connector: Arc<dyn Connector>,
+    /// What each node's backend checks (eviction policy, replica acknowledgement).
+    checks: Checks,
     /// Slot ranges (first, last) and the address ("host:port") of the primary serving them,
     /// sorted by first slot.
     table: RwLock<Vec<(u16, u16, String)>>,
@@ -92,7 +90,7 @@ pub(super) struct Shards {
 
 /// A waiter's subscription on a cluster: on the node that serves its key, moved to the new
 /// owner when the table says the key's slot has moved (Redis ends a shard channel's
-/// subscriptions on a node that gives its slot away; fred drops that notice).
+/// subscriptions on a node that gives its slot away; a client may drop that notice).
 struct Route {
     claim: Claim,
     /// The node it is subscribed on.
@@ -105,16 +103,14 @@ struct Route {
 }
 
 impl Shards {
-    /// A backend over the cluster that `template` names (its seed nodes), routing each call
-    /// to the primary that serves its key.
-    pub(super) async fn backend(template: Config, settings: NodeSettings) -> Result<RedisBackend> {
-        let seeds = match &template.server {
-            ServerConfig::Clustered { hosts, .. } => {
-                hosts.iter().map(|h| (h.host.to_string(), h.port)).collect()
-            }
-            _ => Vec::new(),
-        };
-        let shards = Shards::connect(template, seeds, settings).await?;
+    /// A backend over the cluster whose seed nodes are `seeds`, routing each call to the
+    /// primary that serves its key.
+    pub(super) async fn backend(
+        seeds: Vec<(String, u16)>,
+        connector: Arc<dyn Connector>,
+        checks: Checks,
+    ) -> Result<RedisBackend> {
+        let shards = Shards::connect(seeds, connector, checks).await?;
         let first = shards.first()?;
         Ok(RedisBackend {
             inner: first.inner,
@@ -126,13 +122,13 @@ impl Shards {
     /// Asks the seed nodes, in turn, for the slot table; the first that answers is kept as
     /// the first node's backend.
     async fn connect(
-        template: Config,
         seeds: Vec<(String, u16)>,
-        settings: NodeSettings,
+        connector: Arc<dyn Connector>,
+        checks: Checks,
     ) -> Result<Arc<Shards>> {
         let shards = Arc::new(Shards {
-            template,
-            settings,
+            connector,
+            checks,
             table: RwLock::new(Vec::new()),
             nodes: Mutex::new(HashMap::new()),
             seeds: seeds.iter().map(|(h, p)| format!("{h}:{p}")).collect(),
@@ -169,7 +165,7 @@ impl Shards {
 
     /// The address of the primary serving `key`'s slot now, if the table names one.
     fn owner(&self, key: &str) -> std::result::Result<String, u16> {
-        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let slot = transport::slot(key.as_bytes());
         let table = read(&self.table);
         let at = table.partition_point(|(first, _, _)| *first <= slot);
         match at.checked_sub(1).map(|i| &table[i]) {
@@ -274,9 +270,7 @@ impl Shards {
             // The old node ended the subscription as the slot left it: it is forgotten there
             // without a SUNSUBSCRIBE (see `PubSub::ended`).
             if let Some(node) = lock(&self.nodes).get(&left) {
-                node.inner
-                    .pubsub
-                    .ended(fred::util::redis_keyslot(key.as_bytes()));
+                node.inner.pubsub.ended(transport::slot(key.as_bytes()));
             }
             drop(old);
             route.moved.notify(usize::MAX);
@@ -420,7 +414,7 @@ impl Shards {
             .collect();
         let (mut connected, idle): (Vec<_>, Vec<_>) = known
             .into_iter()
-            .partition(|(_, n)| n.inner.client.is_connected());
+            .partition(|(_, n)| n.inner.connection.is_connected());
         connected.sort_by_key(|(a, _)| Some(a.as_str()) != first);
         for (addr, node) in &connected {
             if self.adopt(addr, node).await {
@@ -472,28 +466,8 @@ impl Shards {
             .rsplit_once(':')
             .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
             .ok_or_else(|| Error::backend(format!("a cluster node with no port: {addr:?}")))?;
-        let mut config = self.template.clone();
-        #[cfg(feature = "tls")]
-        let name = match &self.template.server {
-            ServerConfig::Clustered { hosts, .. } => {
-                hosts.first().and_then(|h| h.tls_server_name.clone())
-            }
-            _ => None,
-        };
-        config.server = ServerConfig::new_centralized(host, port);
-        // `TlsOptions::server_name`, given for the cluster, holds for each of its nodes.
-        #[cfg(feature = "tls")]
-        if let ServerConfig::Centralized { server } = &mut config.server {
-            server.tls_server_name = name;
-        }
-        match &self.settings {
-            NodeSettings::Options(options) => {
-                RedisBackend::open_node(config, options.clone(), wait, true).await
-            }
-            NodeSettings::Client(settings) => {
-                RedisBackend::open_client_node(config, settings, wait).await
-            }
-        }
+        let node = self.connector.node(host, port, wait)?;
+        Box::pin(RedisBackend::assemble(node, true, wait, self.checks)).await
     }
 
     /// Resolves when any primary's backend connected so far is disturbed (see
@@ -530,11 +504,12 @@ impl Shards {
         // see `group`; a call with several primaries' waits for them all.)
         let terms = terms.fail_fast(true);
         let mut out: Vec<Option<Extended>> = (0..leases.len()).map(|_| None).collect();
-        let mut by_node: HashMap<String, (RedisBackend, Vec<usize>)> = HashMap::new();
+        let mut by_node: HashMap<usize, (RedisBackend, Vec<usize>)> = HashMap::new();
         for (i, lease) in leases.iter().enumerate() {
             match self.node(lease.key.as_str()).await {
                 Ok(node) => {
-                    let id = node.inner.client.id().to_owned();
+                    // The node's connection, by its address in memory.
+                    let id = Arc::as_ptr(&node.inner) as usize;
                     by_node
                         .entry(id)
                         .or_insert_with(|| (node, Vec::new()))
@@ -586,10 +561,12 @@ impl Shards {
 
 /// The slot table as `node` (reached at `host`) sees it: `CLUSTER SLOTS`, primaries only.
 async fn slots(node: &RedisBackend, host: &str) -> Result<Vec<(u16, u16, String)>> {
-    let command = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
-    let reply: Value = in_tokio(node.inner.client.custom(command, vec!["SLOTS"]))
+    let reply = node
+        .inner
+        .connection
+        .command("CLUSTER", vec!["SLOTS".into()])
         .await
-        .map_err(Error::backend)?;
+        .map_err(super::errors::store_error)?;
     let Value::Array(ranges) = reply else {
         return Err(Error::backend("CLUSTER SLOTS returned no array"));
     };

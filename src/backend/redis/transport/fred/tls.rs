@@ -175,7 +175,7 @@ impl TlsOptions {
     }
 
     /// Whether anything is set (a plain `redis://` URL refuses TLS options).
-    pub(super) fn is_set(&self) -> bool {
+    pub(in crate::backend::redis) fn is_set(&self) -> bool {
         self.ca.is_some() || self.identity.is_some() || self.server_name.is_some()
     }
 
