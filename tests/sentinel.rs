@@ -466,12 +466,21 @@ async fn acknowledgement_without_a_replica_fails_and_impossible_policies_are_ref
             other => panic!("aof on Redis < 7.2 must be refused at connect: {other:?}"),
         }
     } else {
-        // WAITAOF exists; the local AOF is off here, so a grant is never acknowledged.
+        // WAITAOF exists, but the local AOF it asks for is off here: the server refuses it,
+        // which is said (a configuration error, not a lack of replicas), and the grant is
+        // given back.
         let locks = LockManager::new(aof.expect("aof on Redis 7.2+"));
-        assert!(matches!(
-            locks.lock("aof").try_acquire().await,
-            Err(Error::NotAcknowledged { .. }) | Err(Error::InvalidConfig(_))
-        ));
+        match locks.lock("aof").try_acquire().await {
+            Err(Error::InvalidConfig(m)) => assert!(m.contains("appendonly"), "{m}"),
+            other => panic!(
+                "aof(true, 0) without appendonly must be refused: {:?}",
+                other.map(|g| g.map(|g| g.replicas_acked()))
+            ),
+        }
+        assert!(
+            !held(&srv, &key_of(&locks, "aof")),
+            "the refused grant was left held"
+        );
     }
     for (policy, what) in [
         (ReplicaAck::replicas(0), "replicas(0)"),
@@ -489,6 +498,111 @@ async fn acknowledgement_without_a_replica_fails_and_impossible_policies_are_ref
             other => panic!("{what} must be refused with InvalidConfig: {other:?}"),
         }
     }
+}
+
+/// `ReplicaAck::aof` for real: a primary and two replicas, each with `appendonly yes` and
+/// `appendfsync always` (so that a write is on disk before the next event-loop turn, not
+/// within a second). On a server with `WAITAOF` (Redis 7.2 and later, every Valkey):
+///
+/// - with every AOF on, `aof(true, 2)` grants, reports both replicas, and keeps the lease:
+///   the watchdog's acknowledged extensions move its validity a whole TTL on (an extension
+///   that is not acknowledged counts as failed and moves nothing), and an explicit `extend`
+///   succeeds; `aof(false, 1)` grants too;
+/// - with one replica's AOF turned off (`CONFIG SET appendonly no`), `aof(true, 2)` is refused
+///   `NotAcknowledged { acked: 1, required: 2 }` and the grant given back, while `aof(true, 1)`
+///   still grants; with both off, `aof(false, 1)` is refused `{ acked: 0, required: 1 }`, given
+///   back, and a backend without acknowledgement takes the lock.
+///
+/// On an older server (no `WAITAOF`) the policy is refused at connect with `InvalidConfig`
+/// naming 7.2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aof_acknowledgement_counts_only_replicas_whose_aof_has_the_write() {
+    let d = RedisSentinels::start_with(2, 0, &["--appendonly", "yes", "--appendfsync", "always"]);
+    let primary = &d.nodes[0];
+    let url = primary.url();
+    // Under the command timeout (1 s); long enough for an fsync on a loaded machine.
+    let aof = |local, replicas| ReplicaAck::aof(local, replicas).timeout(ms(500));
+    if redis_version(primary) < (7, 2) {
+        match RedisBackend::connect_with(&url, redis_options(aof(true, 1))).await {
+            Err(Error::InvalidConfig(m)) => assert!(m.contains("7.2"), "{m}"),
+            other => panic!("aof on Redis < 7.2 must be refused at connect: {other:?}"),
+        }
+        return;
+    }
+    let ttl = secs(2);
+
+    // (a) Every AOF on: granted, acknowledged by both replicas, and kept.
+    let both = manager(&url, aof(true, 2), ttl).await;
+    let key = key_of(&both, "aof");
+    let guard = support::take(&both, "aof").await;
+    assert_eq!(guard.replicas_acked(), Some(2));
+    let first = guard.valid_until();
+    assert!(
+        wait_for_async(ttl * 4, || guard.valid_until() >= first + ttl).await,
+        "the watchdog's extensions were not acknowledged: valid until {:?} after the grant's \
+         deadline, lost: {}",
+        guard.valid_until().saturating_duration_since(first),
+        guard.is_lost()
+    );
+    assert!(!guard.is_lost());
+    guard.extend(ttl).await.expect("an acknowledged extension");
+    let one = manager(&url, aof(false, 1), ttl).await;
+    let replicas_only = support::take(&one, "aof-replicas").await;
+    assert!(
+        replicas_only.replicas_acked() >= Some(1),
+        "{:?}",
+        replicas_only.replicas_acked()
+    );
+    replicas_only.release().await.expect("release");
+    guard.release().await.expect("release");
+
+    // (b) One replica's AOF off: two are refused and given back, one still grants.
+    assert!(d.nodes[2]
+        .cmd(&["CONFIG", "SET", "appendonly", "no"])
+        .is_ok());
+    match both.lock("aof").try_acquire().await {
+        Err(Error::NotAcknowledged {
+            acked: 1,
+            required: 2,
+            why,
+        }) => assert!(!why.is_empty()),
+        other => panic!(
+            "expected NotAcknowledged {{ acked: 1, required: 2 }}, got {:?}",
+            other.map(|g| g.map(|g| g.replicas_acked()))
+        ),
+    }
+    assert!(
+        !held(primary, &key),
+        "the unacknowledged grant was left held"
+    );
+    let still = manager(&url, aof(true, 1), ttl).await;
+    let g = support::take(&still, "aof").await;
+    assert_eq!(g.replicas_acked(), Some(1));
+    g.release().await.expect("release");
+
+    // Both off: nobody's AOF but the primary's has it.
+    assert!(d.nodes[1]
+        .cmd(&["CONFIG", "SET", "appendonly", "no"])
+        .is_ok());
+    match one.lock("aof").try_acquire().await {
+        Err(Error::NotAcknowledged {
+            acked: 0,
+            required: 1,
+            ..
+        }) => {}
+        other => panic!(
+            "expected NotAcknowledged {{ acked: 0, required: 1 }}, got {:?}",
+            other.map(|g| g.map(|g| g.replicas_acked()))
+        ),
+    }
+    assert!(
+        !held(primary, &key),
+        "the unacknowledged grant was left held"
+    );
+    let plain = manager(&url, ReplicaAck::Off, ttl).await;
+    let g = support::take(&plain, "aof").await;
+    assert_eq!(g.replicas_acked(), None);
+    g.release().await.expect("release");
 }
 
 /// Acknowledgement on, the only replica paused (SIGSTOP) while a lease (2 s TTL) is held: the

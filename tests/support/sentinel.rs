@@ -43,13 +43,20 @@ impl RedisSentinels {
     /// replica at a time is moved to a new primary (`parallel-syncs 1`). With no sentinel it
     /// is a plain primary and its replicas.
     pub fn start(replicas: usize, sentinels: usize) -> RedisSentinels {
+        RedisSentinels::start_with(replicas, sentinels, &[])
+    }
+
+    /// The same as [`start`](Self::start), each data node (the primary and every replica)
+    /// started with the server arguments `extra` too, e.g. `["--appendonly", "yes"]`.
+    pub fn start_with(replicas: usize, sentinels: usize, extra: &[&str]) -> RedisSentinels {
         // Replicas sync at once (a replica that never synced is not promoted).
-        let data = ["--repl-diskless-sync-delay", "0"];
+        let mut data = vec!["--repl-diskless-sync-delay", "0"];
+        data.extend_from_slice(extra);
         let primary = RedisServer::start_with(&data);
         let primary_port = primary.port().to_string();
         let mut nodes = vec![primary];
         for _ in 0..replicas {
-            let mut args = data.to_vec();
+            let mut args = data.clone();
             args.extend(["--replicaof", "127.0.0.1", &primary_port]);
             nodes.push(RedisServer::start_with(&args));
         }
