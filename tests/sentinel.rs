@@ -500,6 +500,34 @@ async fn acknowledgement_without_a_replica_fails_and_impossible_policies_are_ref
     }
 }
 
+/// Waits until `WAITAOF` on `primary` counts `replicas` replicas whose AOF has a write (a
+/// probe that leaves no key behind).
+fn wait_aof_synced(primary: &RedisServer, replicas: i64) {
+    let probe = || -> Option<i64> {
+        let mut conn = primary.try_connect().ok()?;
+        conn.cmd(&["SET", "support:aof-probe", "1"]).ok()?;
+        conn.cmd(&["DEL", "support:aof-probe"]).ok()?;
+        let counts = conn
+            .cmd(&["WAITAOF", "0", &replicas.to_string(), "100"])
+            .ok()?;
+        counts.as_array()?.get(1)?.as_int()
+    };
+    assert!(
+        support::wait_for(secs(20), || probe() == Some(replicas)),
+        "the replicas' AOF did not count a write within 20 s"
+    );
+}
+
+/// Lock `name`, free, once granted and acknowledged: a waiting acquire, which tries again
+/// after a `NotAcknowledged` (an fsync slower than the policy's timeout on a loaded machine).
+async fn granted(locks: &LockManager, name: &str) -> LockGuard {
+    locks
+        .lock(name)
+        .acquire_timeout(secs(10))
+        .await
+        .unwrap_or_else(|e| panic!("{name}: no acknowledged grant within 10 s: {e}"))
+}
+
 /// `ReplicaAck::aof` for real: a primary and two replicas, each with `appendonly yes` and
 /// `appendfsync always` (so that a write is on disk before the next event-loop turn, not
 /// within a second). On a server with `WAITAOF` (Redis 7.2 and later, every Valkey):
@@ -511,7 +539,10 @@ async fn acknowledgement_without_a_replica_fails_and_impossible_policies_are_ref
 /// - with one replica's AOF turned off (`CONFIG SET appendonly no`), `aof(true, 2)` is refused
 ///   `NotAcknowledged { acked: 1, required: 2 }` and the grant given back, while `aof(true, 1)`
 ///   still grants; with both off, `aof(false, 1)` is refused `{ acked: 0, required: 1 }`, given
-///   back, and a backend without acknowledgement takes the lock.
+///   back, and a backend without acknowledgement takes the lock;
+/// - with the primary's own AOF never synced (`appendfsync no`), `aof(true, 0)` is refused
+///   `NotAcknowledged` and given back (it was reported granted: the missing local copy was
+///   read as "0 replicas", which `replicas: 0` asks for).
 ///
 /// On an older server (no `WAITAOF`) the policy is refused at connect with `InvalidConfig`
 /// naming 7.2.
@@ -534,7 +565,10 @@ async fn aof_acknowledgement_counts_only_replicas_whose_aof_has_the_write() {
     // (a) Every AOF on: granted, acknowledged by both replicas, and kept.
     let both = manager(&url, aof(true, 2), ttl).await;
     let key = key_of(&both, "aof");
-    let guard = support::take(&both, "aof").await;
+    // Each replica's AOF starts once it has synced (a rewrite of its own); until then it
+    // counts nothing.
+    wait_aof_synced(primary, 2);
+    let guard = granted(&both, "aof").await;
     assert_eq!(guard.replicas_acked(), Some(2));
     let first = guard.valid_until();
     assert!(
@@ -547,7 +581,7 @@ async fn aof_acknowledgement_counts_only_replicas_whose_aof_has_the_write() {
     assert!(!guard.is_lost());
     guard.extend(ttl).await.expect("an acknowledged extension");
     let one = manager(&url, aof(false, 1), ttl).await;
-    let replicas_only = support::take(&one, "aof-replicas").await;
+    let replicas_only = granted(&one, "aof-replicas").await;
     assert!(
         replicas_only.replicas_acked() >= Some(1),
         "{:?}",
@@ -576,7 +610,7 @@ async fn aof_acknowledgement_counts_only_replicas_whose_aof_has_the_write() {
         "the unacknowledged grant was left held"
     );
     let still = manager(&url, aof(true, 1), ttl).await;
-    let g = support::take(&still, "aof").await;
+    let g = granted(&still, "aof").await;
     assert_eq!(g.replicas_acked(), Some(1));
     g.release().await.expect("release");
 
@@ -603,6 +637,26 @@ async fn aof_acknowledgement_counts_only_replicas_whose_aof_has_the_write() {
     let g = support::take(&plain, "aof").await;
     assert_eq!(g.replicas_acked(), None);
     g.release().await.expect("release");
+
+    // (c) The primary's own AOF never synced (`appendfsync no`: WAITAOF counts it 0): a
+    // policy that asks for it is refused though it asks for no replica, and given back.
+    assert!(primary.cmd(&["CONFIG", "SET", "appendfsync", "no"]).is_ok());
+    let local = manager(&url, aof(true, 0), ttl).await;
+    match local.lock("aof").try_acquire().await {
+        Err(Error::NotAcknowledged {
+            acked: 0,
+            required: 0,
+            why,
+        }) => assert!(why.contains("primary"), "{why}"),
+        other => panic!(
+            "a grant the primary's AOF does not have was reported: {:?}",
+            other.map(|g| g.map(|g| g.replicas_acked()))
+        ),
+    }
+    assert!(
+        !held(primary, &key),
+        "the unacknowledged grant was left held"
+    );
 }
 
 /// Acknowledgement on, the only replica paused (SIGSTOP) while a lease (2 s TTL) is held: the

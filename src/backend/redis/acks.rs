@@ -180,7 +180,7 @@ pub(super) struct Acks {
     sent: AtomicU64,
     /// The last `WAIT` answered: its number (in `sent`) and what it counted. One `WAIT` at a
     /// time: callers queue here, and take the answer of one sent after they came.
-    last: futures::lock::Mutex<(u64, std::result::Result<u32, String>)>,
+    last: futures::lock::Mutex<(u64, std::result::Result<Counted, String>)>,
     /// Reconnects of the command connection seen so far.
     reconnects: Arc<AtomicU64>,
 }
@@ -212,7 +212,7 @@ impl Acks {
         (policy != ReplicaAck::Off).then(|| Acks {
             policy,
             sent: AtomicU64::new(0),
-            last: futures::lock::Mutex::new((0, Ok(0))),
+            last: futures::lock::Mutex::new((0, Ok(Counted::default()))),
             reconnects,
         })
     }
@@ -240,8 +240,11 @@ impl Acks {
             last.1.clone()
         };
         let required = self.policy.required();
-        let acked = match counted {
-            Ok(n) => n,
+        let Counted {
+            replicas: acked,
+            local_missing,
+        } = match counted {
+            Ok(counted) => counted,
             Err(refused) if refused.starts_with("refused:") => {
                 return Err(Error::invalid(
                     refused["refused:".len()..].trim().to_owned(),
@@ -255,6 +258,17 @@ impl Acks {
                 acked: 0,
                 required,
                 why: "the connection was remade between the write and its WAIT".to_owned(),
+            });
+        }
+        if local_missing {
+            return Err(Error::NotAcknowledged {
+                acked,
+                required,
+                why: format!(
+                    "the primary's own AOF did not have the write within {:?} ({acked} of \
+                     {required} replicas' did)",
+                    self.timeout()
+                ),
             });
         }
         if acked < required {
@@ -274,16 +288,15 @@ impl Acks {
         }
     }
 
-    /// One `WAIT` (or `WAITAOF`), sent once: the replicas it counted (for `WAITAOF`, 0 when
-    /// the local AOF it needs does not have the write). `Err("refused: ...")` when the server
-    /// does not know or allow the command.
-    async fn wait(&self, connection: &dyn Connection) -> std::result::Result<u32, String> {
+    /// One `WAIT` (or `WAITAOF`), sent once: what it counted. `Err("refused: ...")` when the
+    /// server does not know or allow the command.
+    async fn wait(&self, connection: &dyn Connection) -> std::result::Result<Counted, String> {
         let timeout = self.timeout();
         let ms = u64::try_from(timeout.as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
         let (command, args): (&'static str, Vec<Value>) = match self.policy {
-            ReplicaAck::Off => return Ok(0),
+            ReplicaAck::Off => return Ok(Counted::default()),
             ReplicaAck::Replicas { count, .. } => {
                 ("WAIT", vec![i64::from(count).into(), ms.to_string().into()])
             }
@@ -303,18 +316,8 @@ impl Acks {
         let limit = timeout + connection.command_timeout();
         let reply = connection.command_once(command, args, limit).await;
         match reply {
-            Ok(Value::Int(n)) => Ok(u32::try_from(n).unwrap_or(0)),
-            Ok(Value::Array(counts)) => {
-                let count = |i: usize| counts.get(i).and_then(Value::as_i64).unwrap_or(0);
-                let local_ok =
-                    !matches!(self.policy, ReplicaAck::Aof { local: true, .. }) || count(0) >= 1;
-                Ok(if local_ok {
-                    u32::try_from(count(1)).unwrap_or(0)
-                } else {
-                    0
-                })
-            }
-            Ok(other) => Err(format!("{command} returned {other:?}")),
+            Ok(reply) => Counted::read(self.policy, reply)
+                .map_err(|other| format!("{command} returned {other:?}")),
             Err(e) => {
                 let said = e.said.clone();
                 let upper = said.to_ascii_uppercase();
@@ -332,6 +335,46 @@ impl Acks {
                     Err(format!("{command} failed: {e}"))
                 }
             }
+        }
+    }
+}
+
+/// What one `WAIT` or `WAITAOF` counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counted {
+    /// Replicas that have the write (in their AOF, for `WAITAOF`).
+    replicas: u32,
+    /// The policy asks for the primary's own AOF (`ReplicaAck::aof(true, ..)`), and `WAITAOF`
+    /// did not count it: the write is not acknowledged, whatever the replicas say (a policy
+    /// of `aof(true, 0)` needs no replica, so "0 replicas" alone would pass it).
+    local_missing: bool,
+}
+
+impl Counted {
+    /// The reply of `WAIT` (an integer: the replicas) or `WAITAOF` (an array: `[local,
+    /// replicas]`, local 1 when the primary's own AOF has the write) under `policy`; the
+    /// reply back if it is neither.
+    fn read(policy: ReplicaAck, reply: Value) -> std::result::Result<Counted, Value> {
+        let count = |v: Option<&Value>| {
+            v.and_then(Value::as_i64)
+                .map(|n| u32::try_from(n).unwrap_or(0))
+        };
+        match reply {
+            Value::Int(n) => Ok(Counted {
+                replicas: u32::try_from(n).unwrap_or(0),
+                local_missing: false,
+            }),
+            Value::Array(ref counts) if counts.len() == 2 => {
+                match (count(counts.first()), count(counts.get(1))) {
+                    (Some(local), Some(replicas)) => Ok(Counted {
+                        replicas,
+                        local_missing: matches!(policy, ReplicaAck::Aof { local: true, .. })
+                            && local < 1,
+                    }),
+                    _ => Err(reply),
+                }
+            }
+            other => Err(other),
         }
     }
 }
@@ -407,4 +450,53 @@ impl RedisBackend {
 /// The same error again, for each lease it fails.
 fn again(e: &Error) -> Error {
     crate::backend::for_each_caller(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waitaof(local: i64, replicas: i64) -> Value {
+        Value::Array(vec![Value::Int(local), Value::Int(replicas)])
+    }
+
+    #[test]
+    fn a_wait_reply_counts_replicas_and_a_waitaof_reply_the_local_aof_too() {
+        let counted = |replicas, local_missing| {
+            Ok(Counted {
+                replicas,
+                local_missing,
+            })
+        };
+        assert_eq!(
+            Counted::read(ReplicaAck::replicas(2), Value::Int(2)),
+            counted(2, false)
+        );
+        assert_eq!(
+            Counted::read(ReplicaAck::aof(true, 2), waitaof(1, 2)),
+            counted(2, false)
+        );
+        // The replicas have it, the primary's own AOF does not: not acknowledged, and the
+        // replicas still counted (they are what the error reports).
+        assert_eq!(
+            Counted::read(ReplicaAck::aof(true, 2), waitaof(0, 2)),
+            counted(2, true)
+        );
+        // `aof(true, 0)` needs no replica: without the local AOF it was taken for a success.
+        assert_eq!(
+            Counted::read(ReplicaAck::aof(true, 0), waitaof(0, 0)),
+            counted(0, true)
+        );
+        // Not asked for the local AOF: its count does not matter.
+        assert_eq!(
+            Counted::read(ReplicaAck::aof(false, 1), waitaof(0, 1)),
+            counted(1, false)
+        );
+        let odd = Value::Array(vec![Value::Int(1)]);
+        assert_eq!(
+            Counted::read(ReplicaAck::aof(true, 0), odd.clone()),
+            Err(odd)
+        );
+        assert!(Counted::read(ReplicaAck::replicas(1), Value::Nil).is_err());
+    }
 }
