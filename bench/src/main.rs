@@ -747,9 +747,20 @@ async fn main() {
     if let Some(dir) = plan.out.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
+    // Sections another tool measures (bench/valkey-primitives.sh) are kept as they were.
+    if let Ok(old) = std::fs::read_to_string(&plan.out) {
+        if let Some(at) = old.find(KEPT_SECTIONS) {
+            md.push('\n');
+            md.push_str(&old[at + 1..]);
+        }
+    }
     std::fs::write(&plan.out, &md).expect("write results");
     eprintln!("wrote {}", plan.out.display());
 }
+
+/// The first heading of the results file's sections that this program does not write (and
+/// keeps, with everything after it, when it writes the file again).
+const KEPT_SECTIONS: &str = "\n## Valkey primitives";
 
 /// W8/W9's "wake-ups lost after the run" column: in how many of the runs a hand-off in the
 /// run's manager afterwards took the fallback re-check (≥ 0.5 s) rather than a wake-up, with
