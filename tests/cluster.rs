@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use redlease::{
     Cache, CacheOptions, LeaseKey, LockGuard, LockManager, LockOptions, Owner, RedisBackend,
-    RedisOptions, ReplicaAck, RetryPolicy,
+    ReplicaAck, RetryPolicy,
 };
 use support::RedisCluster;
 use tokio::sync::Notify;
@@ -21,7 +21,7 @@ const NO_FALLBACK: Duration = Duration::from_secs(60);
 async fn backend(cluster: &RedisCluster) -> RedisBackend {
     RedisBackend::connect_with(
         &cluster.url(),
-        RedisOptions::new().command_timeout(Duration::from_millis(500)),
+        support::redis_options().command_timeout(Duration::from_millis(500)),
     )
     .await
     .expect("connect to the cluster")
@@ -179,7 +179,7 @@ enum Down {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_primary_costs_only_the_leases_on_its_own_shard() {
     let cluster = RedisCluster::start(3, 0);
-    let backend = RedisBackend::connect_with(&cluster.url(), RedisOptions::new())
+    let backend = RedisBackend::connect_with(&cluster.url(), support::redis_options())
         .await
         .expect("connect");
     one_primary_down(Down::Killed, cluster, backend).await;
@@ -222,7 +222,7 @@ async fn cluster_client(url: &str, timeout: Duration) -> fred::prelude::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_primary_costs_only_the_leases_on_its_own_shard() {
     let cluster = RedisCluster::start(3, 0);
-    let options = RedisOptions::new().command_timeout(Duration::from_secs(10));
+    let options = support::redis_options().command_timeout(Duration::from_secs(10));
     let backend = RedisBackend::connect_with(&cluster.url(), options)
         .await
         .expect("connect");
@@ -308,7 +308,7 @@ async fn one_primary_down(how: Down, mut cluster: RedisCluster, backend: RedisBa
 async fn with_replica_acknowledgement_a_grant_outlives_its_primarys_failover() {
     let mut cluster = RedisCluster::start(3, 1);
     let names = cluster.names_per_primary("redlease:", "acked");
-    let acked = RedisOptions::new()
+    let acked = support::redis_options()
         .command_timeout(Duration::from_millis(500))
         .replica_ack(ReplicaAck::replicas(1));
     let backend = RedisBackend::connect_with(&cluster.url(), acked)
@@ -391,7 +391,7 @@ async fn with_replica_acknowledgement_a_grant_outlives_its_primarys_failover() {
 async fn backend_of(cluster: &RedisCluster, which: &[usize]) -> RedisBackend {
     RedisBackend::connect_with(
         &cluster.url_of(which),
-        RedisOptions::new().command_timeout(Duration::from_millis(500)),
+        support::redis_options().command_timeout(Duration::from_millis(500)),
     )
     .await
     .expect("connect to the cluster")
@@ -408,7 +408,7 @@ async fn acquires_follow_a_failover_to_the_promoted_replica() {
     let seed = cluster.owner(&format!("redlease:{{{}}}", names[0]), 0);
     let backend = RedisBackend::connect_with(
         &cluster.url_of(&[seed]),
-        RedisOptions::new().command_timeout(Duration::from_millis(500)),
+        support::redis_options().command_timeout(Duration::from_millis(500)),
     )
     .await
     .expect("connect");
@@ -509,7 +509,7 @@ fn shard_subscribers(node: &support::RedisServer, channel: &str) -> i64 {
 async fn a_cache_round_that_ends_without_a_fill_wakes_other_processes() {
     let cluster = RedisCluster::start(3, 0);
     let url = cluster.url();
-    let opts = RedisOptions::new();
+    let opts = support::redis_options();
     let copts = CacheOptions::new().lease_ttl(Duration::from_secs(10));
     let a = Cache::with_options(
         RedisBackend::connect_with(&url, opts.clone())

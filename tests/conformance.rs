@@ -1,6 +1,7 @@
 //! The behavioural contract of a lock, run against every backend: in memory, on a real
-//! redis-server, on a local Redis Cluster of three primaries, and as Redlock over three memory
-//! stores and over three redis-servers.
+//! redis-server and on a local Redis Cluster of three primaries (each through fred, and
+//! through redis-rs with the `redis-rs` feature), and as Redlock over three memory stores and
+//! over three redis-servers.
 
 mod support;
 
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 use futures::future::{self, Either};
 use redlease::{
     Backend, Error, LockManager, LockOptions, MemoryBackend, RedisBackend, RedisOptions, Redlock,
-    RedlockOptions, RetryPolicy,
+    RedlockOptions, RetryPolicy, Transport,
 };
 use support::{Checker, RedisCluster, RedisServer};
 
@@ -18,8 +19,8 @@ use support::{Checker, RedisCluster, RedisServer};
 /// each manager has its own connection, as separate processes would.
 enum Store {
     Memory(MemoryBackend),
-    Redis(RedisServer),
-    Cluster(RedisCluster),
+    Redis(RedisServer, Transport),
+    Cluster(RedisCluster, Transport),
     RedlockMemory(Vec<MemoryBackend>),
     RedlockRedis(Vec<RedisServer>),
 }
@@ -40,11 +41,21 @@ impl Store {
     }
 
     fn redis() -> Self {
-        Store::Redis(RedisServer::start())
+        Store::Redis(RedisServer::start(), Transport::Fred)
     }
 
     fn cluster() -> Self {
-        Store::Cluster(RedisCluster::start(3, 0))
+        Store::Cluster(RedisCluster::start(3, 0), Transport::Fred)
+    }
+
+    #[cfg(feature = "redis-rs")]
+    fn redis_rs() -> Self {
+        Store::Redis(RedisServer::start(), Transport::RedisRs)
+    }
+
+    #[cfg(feature = "redis-rs")]
+    fn cluster_redis_rs() -> Self {
+        Store::Cluster(RedisCluster::start(3, 0), Transport::RedisRs)
     }
 
     fn redlock_memory() -> Self {
@@ -62,13 +73,13 @@ impl Store {
         let redis_opts = || RedisOptions::new().command_timeout(Duration::from_secs(2));
         match self {
             Store::Memory(m) => Arc::new(m.clone()),
-            Store::Redis(srv) => Arc::new(
-                RedisBackend::connect_with(&srv.url(), redis_opts())
+            Store::Redis(srv, client) => Arc::new(
+                RedisBackend::connect_with(&srv.url(), redis_opts().transport(*client))
                     .await
                     .unwrap(),
             ),
-            Store::Cluster(cluster) => Arc::new(
-                RedisBackend::connect_with(&cluster.url(), redis_opts())
+            Store::Cluster(cluster, client) => Arc::new(
+                RedisBackend::connect_with(&cluster.url(), redis_opts().transport(*client))
                     .await
                     .unwrap(),
             ),
@@ -512,6 +523,24 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::cluster()).await
+                }
+            )*
+        }
+        #[cfg(feature = "redis-rs")]
+        mod redis_rs {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::redis_rs()).await
+                }
+            )*
+        }
+        #[cfg(feature = "redis-rs")]
+        mod cluster_redis_rs {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::cluster_redis_rs()).await
                 }
             )*
         }

@@ -37,7 +37,7 @@ fn secs(n: u64) -> Duration {
 
 /// Short timeouts, so that faults surface within a fraction of a second.
 fn redis_opts() -> RedisOptions {
-    RedisOptions::new()
+    support::redis_options()
         .command_timeout(ms(200))
         .connect_timeout(ms(300))
 }

@@ -12,6 +12,8 @@
 //!   changes; [`plain_only`]: one that serves plain claims only.
 //! * [`Proxy`]: a loopback TCP proxy that can hold back a client's command.
 //! * [`holder`] / [`lease_ms`] / [`field`]: a lock's record on a test server.
+//! * [`redis_options`] / [`transport`]: the client the Redis backends use
+//!   (`REDLEASE_TEST_TRANSPORT`).
 //!
 //! Each test binary uses only part of this module, hence the `allow`s below
 //! (`unreachable_pub`: the module is private to each test crate).
@@ -25,6 +27,7 @@ mod sentinel;
 mod server;
 mod shared_checker;
 mod store;
+mod transport;
 mod wait;
 mod wrap;
 
@@ -36,6 +39,7 @@ pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};
 pub use shared_checker::{SharedChecker, SharedSection};
 pub use store::{within, Store, SOON};
+pub use transport::{redis_options, transport};
 pub use wait::wait_for_interval;
 pub use wrap::{plain_only, Wrap, Wrapped};
 

@@ -48,7 +48,7 @@ impl Store {
         match self {
             Store::Memory(m) => Arc::new(m.clone()),
             Store::Redis(srv) => {
-                let opts = RedisOptions::new()
+                let opts = super::redis_options()
                     .command_timeout(Duration::from_millis(500))
                     .connect_timeout(Duration::from_secs(2));
                 Arc::new(

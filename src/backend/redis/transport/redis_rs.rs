@@ -1,14 +1,794 @@
-//! The redis-rs transport (feature `redis-rs`).
+//! The redis-rs transport (feature `redis-rs`): per server, a multiplexed connection for
+//! commands and one for pub/sub, each kept up by a supervisor of its own.
+//!
+//! redis-rs' `ConnectionManager` reconnects, but tells nobody: no notice, no new `CLIENT ID`
+//! (the backend needs both: a reconnect may mean a server that restarted empty, and a
+//! `WAIT` counts only its own connection's writes), and it re-subscribes on its own without
+//! saying when that is done. So each connection here is a `MultiplexedConnection` (RESP3,
+//! so that redis-rs pushes a notice the moment the socket drops), remade by [`Supervised`]
+//! with an exponential back-off (10 ms to 1 s, unlimited), which reads the new connection's
+//! `CLIENT ID` and then tells the backend. A command waits for a connection up to its
+//! timeout, and is sent again after a dropped connection up to
+//! [`RedisOptions::max_command_attempts`] times (every script is idempotent per claim); a
+//! command that times out has the connection checked with a `PING`, and remade if that goes
+//! unanswered too (a paused server, a silent network), as fred drops an unresponsive one.
+//!
+//! What redis-rs cannot do here is refused with [`Error::Unsupported`] naming it: Sentinel
+//! URLs (redis-rs' own Sentinel client gives a connection that does not find the primary
+//! again after a failover) and, for now, TLS.
 
-use super::Target;
-use crate::backend::redis::RedisOptions;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use event_listener::Event;
+use futures::stream::{self, BoxStream, StreamExt};
+use redis::aio::MultiplexedConnection;
+use redis::{
+    AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, ProtocolVersion,
+    PushInfo, PushKind, RedisError,
+};
+use tokio::sync::{broadcast, mpsc};
+
+use super::{Connection, Connector, Failure, Node, Notice, Said, Subscriber, Target, Value};
+use crate::backend::redis::{Checks, RedisBackend, RedisOptions};
 use crate::error::{Error, Result};
+use crate::runtime::in_tokio;
+
+/// The shortest and longest pause between two connection attempts.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_secs(1));
 
 /// Opens what `url` names with `options`.
 pub(in crate::backend::redis) async fn open(
-    _url: &str,
-    _options: &RedisOptions,
+    url: &str,
+    options: &RedisOptions,
     _wait: bool,
 ) -> Result<Target> {
-    Err(Error::Unsupported("not yet".into()))
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    if scheme.ends_with("-sentinel") {
+        return Err(Error::Unsupported(format!(
+            "{scheme}:// on the redis-rs transport: redis-rs' Sentinel client gives a \
+             connection that does not ask the sentinels for the primary again after a \
+             failover; use Transport::Fred for Sentinel"
+        )));
+    }
+    if matches!(
+        scheme,
+        "rediss" | "valkeys" | "rediss-cluster" | "valkeys-cluster"
+    ) {
+        return Err(Error::Unsupported(format!(
+            "{scheme}:// on the redis-rs transport: TLS is not served on it yet; use \
+             Transport::Fred for TLS"
+        )));
+    }
+    let settings = Settings::of(options);
+    if let Some(plain) = scheme.strip_suffix("-cluster") {
+        let (info, seeds) = cluster_url(plain, rest)?;
+        return Ok(Target::Cluster {
+            seeds,
+            connector: Arc::new(RedisRsConnector { info, settings }),
+        });
+    }
+    let info = parse(url)?;
+    Ok(Target::Single(node(info, &settings)))
+}
+
+impl RedisBackend {
+    /// A backend over the server an application's redis-rs client names (feature
+    /// `redis-rs`): its address, credentials and database, with connections of the
+    /// backend's own (a multiplexed one for commands, one for pub/sub; see
+    /// [`Transport::RedisRs`](crate::Transport)) and the default [`RedisOptions`]. Connects
+    /// now, and checks the server as [`connect`](Self::connect) does.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> redlease::Result<()> {
+    /// let client = redis::Client::open("redis://127.0.0.1:6379/").expect("a valid URL");
+    /// let backend = redlease::RedisBackend::from_redis_client(&client).await?;
+    /// let locks = redlease::LockManager::new(backend);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for a client over TLS or a Unix socket; otherwise as
+    /// [`connect`](Self::connect).
+    pub async fn from_redis_client(client: &Client) -> Result<Self> {
+        let options = RedisOptions::default();
+        let info = client.get_connection_info().clone();
+        if !matches!(info.addr(), ConnectionAddr::Tcp(..)) {
+            return Err(Error::Unsupported(format!(
+                "a redis-rs client at {} on the redis-rs transport: only plain TCP is served \
+                 yet",
+                info.addr()
+            )));
+        }
+        let target = Target::Single(node(info, &Settings::of(&options)));
+        let checks = Checks {
+            allow_eviction: options.allow_eviction,
+            ack: options.replica_ack,
+        };
+        RedisBackend::of_target(target, checks, true).await
+    }
+}
+
+/// redis-rs' connection settings for `url` (RESP3: pushes tell of a dropped socket).
+fn parse(url: &str) -> Result<ConnectionInfo> {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    // redis-rs reads redis:// and valkey:// alike.
+    let url = match scheme {
+        "valkey" => format!("redis://{rest}"),
+        _ => url.to_owned(),
+    };
+    let client = Client::open(url.as_str())
+        .map_err(|e| Error::invalid(format!("malformed Redis URL: {}", e)))?;
+    Ok(client.get_connection_info().clone())
+}
+
+/// A cluster URL (`redis-cluster://[user:pass@]host:port[,host:port...][/db][?node=host:port]`)
+/// as one node's settings and the seeds.
+fn cluster_url(plain: &str, rest: &str) -> Result<(ConnectionInfo, Vec<(String, u16)>)> {
+    let (authority, tail) = match rest.find(['/', '?']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    let (credentials, hosts) = match authority.rsplit_once('@') {
+        Some((c, h)) => (Some(c), h),
+        None => (None, authority),
+    };
+    let mut seeds = Vec::new();
+    let mut add = |hostport: &str| -> Result<()> {
+        let (host, port) = hostport
+            .rsplit_once(':')
+            .map_or((hostport, Ok(6379)), |(h, p)| (h, p.parse::<u16>()));
+        let port = port.map_err(|_| Error::invalid(format!("bad port in {hostport:?}")))?;
+        seeds.push((host.to_owned(), port));
+        Ok(())
+    };
+    for host in hosts.split(',').filter(|h| !h.is_empty()) {
+        add(host)?;
+    }
+    let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
+    for pair in query.split('&') {
+        if let Some(node) = pair.strip_prefix("node=") {
+            add(node)?;
+        }
+    }
+    let Some((host, port)) = seeds.first().cloned() else {
+        return Err(Error::invalid("Redis URL has no host"));
+    };
+    let scheme = if plain == "valkey" { "redis" } else { plain };
+    let credentials = credentials.map_or(String::new(), |c| format!("{c}@"));
+    let info = parse(&format!("{scheme}://{credentials}{host}:{port}{path}"))?;
+    Ok((info, seeds))
+}
+
+/// The connection settings of a backend's connections.
+#[derive(Clone, Copy)]
+struct Settings {
+    command_timeout: Duration,
+    connect_timeout: Duration,
+    attempts: u32,
+}
+
+impl Settings {
+    fn of(options: &RedisOptions) -> Self {
+        Settings {
+            command_timeout: options.command_timeout,
+            connect_timeout: options.connect_timeout,
+            attempts: options.max_command_attempts.max(1),
+        }
+    }
+}
+
+/// A server's two connections.
+fn node(info: ConnectionInfo, settings: &Settings) -> Node {
+    let resp3 = info
+        .redis_settings()
+        .clone()
+        .set_protocol(ProtocolVersion::RESP3);
+    let info = info.set_redis_settings(resp3);
+    let (messages, received) = mpsc::unbounded_channel();
+    Node {
+        connection: Arc::new(RedisRsConnection {
+            link: Supervised::new(info.clone(), *settings, None),
+        }),
+        subscriber: Arc::new(RedisRsSubscriber {
+            link: Supervised::new(info, *settings, Some(messages)),
+            received: Mutex::new(Some(received)),
+        }),
+    }
+}
+
+/// A cluster's nodes, with the cluster's settings.
+struct RedisRsConnector {
+    info: ConnectionInfo,
+    settings: Settings,
+}
+
+impl Connector for RedisRsConnector {
+    fn node(&self, host: &str, port: u16, _wait: bool) -> Result<Node> {
+        let info = self
+            .info
+            .clone()
+            .set_addr(ConnectionAddr::Tcp(host.to_owned(), port));
+        Ok(node(info, &self.settings))
+    }
+}
+
+/// A redis-rs error as a [`Failure`].
+fn failure(e: &RedisError) -> Failure {
+    let connection = e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(e.kind(), ErrorKind::Client);
+    let said = match (e.code(), e.detail()) {
+        (Some(code), Some(detail)) => format!("{code} {detail}"),
+        (Some(code), None) => code.to_owned(),
+        _ => e.to_string(),
+    };
+    Failure {
+        said,
+        connection,
+        message: e.to_string(),
+    }
+}
+
+/// A server's error reply, in its words (`CODE detail`).
+fn said(e: &redis::ServerError) -> String {
+    match e.details() {
+        Some(detail) => format!("{} {detail}", e.code()),
+        None => e.code().to_owned(),
+    }
+}
+
+fn from_redis(v: redis::Value) -> Value {
+    use redis::Value as R;
+    match v {
+        R::Nil => Value::Nil,
+        R::Int(n) => Value::Int(n),
+        R::Boolean(b) => Value::Int(i64::from(b)),
+        R::BulkString(b) => Value::Bytes(Bytes::from(b)),
+        R::SimpleString(s) => Value::from(s),
+        R::Okay => Value::from("OK"),
+        R::Double(d) => Value::from(d.to_string()),
+        R::VerbatimString { text, .. } => Value::from(text),
+        R::Array(items) | R::Set(items) | R::Push { data: items, .. } => {
+            Value::Array(items.into_iter().map(from_redis).collect())
+        }
+        R::Map(pairs) => Value::Array(
+            pairs
+                .into_iter()
+                .flat_map(|(k, v)| [from_redis(k), from_redis(v)])
+                .collect(),
+        ),
+        R::Attribute { data, .. } => from_redis(*data),
+        R::ServerError(e) => Value::from(said(&e)),
+        other => Value::from(format!("{other:?}")),
+    }
+}
+
+fn command(name: &str, args: &[Value]) -> Cmd {
+    let mut cmd = redis::cmd(name);
+    for arg in args {
+        push(&mut cmd, arg);
+    }
+    cmd
+}
+
+fn push(cmd: &mut Cmd, arg: &Value) {
+    match arg {
+        Value::Nil => {
+            cmd.arg("");
+        }
+        Value::Int(n) => {
+            cmd.arg(*n);
+        }
+        Value::Bytes(b) => {
+            cmd.arg(&b[..]);
+        }
+        Value::Array(items) => items.iter().for_each(|i| push(cmd, i)),
+    }
+}
+
+/// A live connection: the connection, its `CLIENT ID`, and its number among the
+/// connections made.
+#[derive(Clone)]
+struct Live {
+    connection: MultiplexedConnection,
+    epoch: u64,
+}
+
+/// A connection kept up: made again, in the background, whenever it drops.
+struct Supervised {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    info: ConnectionInfo,
+    settings: Settings,
+    /// The connection now (`None` while it is being made).
+    live: Mutex<Option<Live>>,
+    /// The live connection's `CLIENT ID` (`-1`: unknown).
+    id: AtomicI64,
+    /// Connections made so far.
+    epochs: AtomicU64,
+    /// Notified when a connection is made.
+    changed: Event,
+    /// Set while a task makes the connection.
+    connecting: AtomicBool,
+    /// Set when the backend is dropped: no more connections.
+    closed: AtomicBool,
+    /// A notice per connection made after the first.
+    reconnects: broadcast::Sender<()>,
+    /// Pub/sub messages are sent here (a subscriber's connection).
+    messages: Option<mpsc::UnboundedSender<Notice>>,
+}
+
+impl Supervised {
+    fn new(
+        info: ConnectionInfo,
+        settings: Settings,
+        messages: Option<mpsc::UnboundedSender<Notice>>,
+    ) -> Self {
+        let (reconnects, _) = broadcast::channel(16);
+        Supervised {
+            shared: Arc::new(Shared {
+                info,
+                settings,
+                live: Mutex::new(None),
+                id: AtomicI64::new(-1),
+                epochs: AtomicU64::new(0),
+                changed: Event::new(),
+                connecting: AtomicBool::new(false),
+                closed: AtomicBool::new(false),
+                reconnects,
+                messages,
+            }),
+        }
+    }
+}
+
+impl Shared {
+    fn live(&self) -> Option<Live> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// One connection attempt, within the connect timeout: the connection, with its `CLIENT
+    /// ID` read and the backend told.
+    async fn attempt(self: &Arc<Self>) -> Said<()> {
+        let weak = Arc::downgrade(self);
+        let pushes = self.messages.clone();
+        let sender = move |info: PushInfo| -> std::result::Result<(), ()> {
+            on_push(&weak, pushes.as_ref(), info);
+            Ok(())
+        };
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.settings.connect_timeout))
+            .set_response_timeout(None)
+            .set_push_sender(sender);
+        let client = Client::open(self.info.clone()).map_err(|e| failure(&e))?;
+        let made = tokio::time::timeout(
+            self.settings.connect_timeout,
+            client.get_multiplexed_async_connection_with_config(&config),
+        )
+        .await;
+        let mut connection = match made {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(failure(&e)),
+            Err(_) => return Err(Failure::connection("timed out connecting")),
+        };
+        let id = tokio::time::timeout(
+            self.settings.connect_timeout,
+            connection.send_packed_command(&redis::cmd("CLIENT").arg("ID").clone()),
+        )
+        .await;
+        let id = match id {
+            Ok(Ok(redis::Value::Int(id))) => id,
+            // An ACL that refuses CLIENT ID: acknowledgements count reconnects instead.
+            _ => -1,
+        };
+        let epoch = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
+        self.id.store(id, Ordering::Release);
+        *self.live.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { connection, epoch });
+        self.changed.notify(usize::MAX);
+        if epoch > 1 {
+            let _ = self.reconnects.send(());
+        }
+        Ok(())
+    }
+
+    /// Makes the connection in the background (unless a task does already), trying again
+    /// with a growing pause until it is made or the backend is dropped.
+    fn reconnect_soon(self: &Arc<Self>) {
+        if self.closed.load(Ordering::Acquire) || self.connecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = Arc::downgrade(self);
+        let task = async move {
+            let mut pause = BACKOFF.0;
+            loop {
+                let Some(shared) = this.upgrade() else { return };
+                if shared.closed.load(Ordering::Acquire) {
+                    return;
+                }
+                if shared.attempt().await.is_ok() {
+                    shared.connecting.store(false, Ordering::Release);
+                    return;
+                }
+                drop(shared);
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(BACKOFF.1);
+            }
+        };
+        crate::runtime::background().spawn(in_tokio(task));
+    }
+
+    /// The connection numbered `epoch` dropped (or does not answer): it is forgotten and
+    /// made again.
+    fn dropped(self: &Arc<Self>, epoch: u64) {
+        {
+            let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+            if live.as_ref().is_none_or(|l| l.epoch != epoch) {
+                return;
+            }
+            *live = None;
+        }
+        self.id.store(-1, Ordering::Release);
+        self.reconnect_soon();
+    }
+
+    /// The live connection, waiting for one until `deadline`.
+    async fn connection(self: &Arc<Self>, deadline: Instant) -> Said<Live> {
+        loop {
+            if let Some(live) = self.live() {
+                return Ok(live);
+            }
+            self.reconnect_soon();
+            let changed = self.changed.listen();
+            if let Some(live) = self.live() {
+                return Ok(live);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, changed).await.is_err() {
+                return Err(Failure::connection(format!(
+                    "not connected to {} (reconnecting)",
+                    self.info.addr()
+                )));
+            }
+        }
+    }
+
+    /// Sends `cmd`, waiting for a connection until its timeout; after a dropped connection,
+    /// again on the next, up to `attempts` times in all. A command that times out has the
+    /// connection checked.
+    async fn send(self: &Arc<Self>, cmd: &Cmd, timeout: Duration, attempts: u32) -> Said<Value> {
+        let deadline = Instant::now() + timeout;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let Live {
+                mut connection,
+                epoch,
+            } = self.connection(deadline).await?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, connection.send_packed_command(cmd)).await {
+                Ok(Ok(redis::Value::ServerError(e))) => {
+                    let said = said(&e);
+                    return Err(Failure {
+                        message: said.clone(),
+                        said,
+                        connection: false,
+                    });
+                }
+                Ok(Ok(reply)) => return Ok(from_redis(reply)),
+                Ok(Err(e)) if e.is_connection_dropped() || e.is_io_error() => {
+                    self.dropped(epoch);
+                    if tries >= attempts {
+                        return Err(failure(&e));
+                    }
+                }
+                Ok(Err(e)) => return Err(failure(&e)),
+                Err(_) => {
+                    self.check(connection, epoch);
+                    return Err(Failure::connection(format!(
+                        "a command to {} timed out after {timeout:?}",
+                        self.info.addr()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// After a command timed out: a `PING` within the command timeout, and the connection
+    /// made again if it goes unanswered (a paused server, a silent network).
+    fn check(self: &Arc<Self>, mut connection: MultiplexedConnection, epoch: u64) {
+        let this = Arc::downgrade(self);
+        let timeout = self.settings.command_timeout;
+        crate::runtime::background().spawn(in_tokio(async move {
+            let ping = redis::cmd("PING");
+            let answered = tokio::time::timeout(timeout, connection.send_packed_command(&ping))
+                .await
+                .is_ok_and(|r| r.is_ok());
+            if let (false, Some(shared)) = (answered, this.upgrade()) {
+                shared.dropped(epoch);
+            }
+        }));
+    }
+
+    fn is_connected(&self) -> bool {
+        self.live().is_some()
+    }
+}
+
+/// A push from the server or redis-rs: a dropped socket has the connection made again; a
+/// message goes to the subscriber.
+fn on_push(
+    shared: &Weak<Shared>,
+    messages: Option<&mpsc::UnboundedSender<Notice>>,
+    info: PushInfo,
+) {
+    match info.kind {
+        PushKind::Disconnection => {
+            if let Some(shared) = shared.upgrade() {
+                // The live connection is the one that dropped, unless one is being made.
+                if let Some(live) = shared.live() {
+                    shared.dropped(live.epoch);
+                }
+            }
+        }
+        PushKind::Message | PushKind::SMessage => {
+            let (Some(messages), [channel, payload, ..]) = (messages, &info.data[..]) else {
+                return;
+            };
+            let channel = from_redis(channel.clone()).as_string().unwrap_or_default();
+            let payload = from_redis(payload.clone());
+            let _ = messages.send(Notice::Message { channel, payload });
+        }
+        _ => {}
+    }
+}
+
+/// A stream of `()`, one per reconnect (a lag counts as one more).
+fn notices(rx: broadcast::Receiver<()>) -> BoxStream<'static, ()> {
+    stream::unfold(rx, |mut rx| async move {
+        match rx.recv().await {
+            Ok(()) | Err(broadcast::error::RecvError::Lagged(_)) => Some(((), rx)),
+            Err(broadcast::error::RecvError::Closed) => None,
+        }
+    })
+    .boxed()
+}
+
+/// The command connection to one server.
+struct RedisRsConnection {
+    link: Supervised,
+}
+
+impl Drop for RedisRsConnection {
+    fn drop(&mut self) {
+        self.quit();
+    }
+}
+
+#[async_trait]
+impl Connection for RedisRsConnection {
+    async fn evalsha(&self, sha: &str, keys: &[String], args: &[Value]) -> Said<Value> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(sha).arg(keys.len()).arg(keys);
+        for arg in args {
+            push(&mut cmd, arg);
+        }
+        let shared = &self.link.shared;
+        let (timeout, attempts) = (shared.settings.command_timeout, shared.settings.attempts);
+        in_tokio(shared.send(&cmd, timeout, attempts)).await
+    }
+
+    async fn command(&self, name: &'static str, args: Vec<Value>) -> Said<Value> {
+        let shared = &self.link.shared;
+        let (timeout, attempts) = (shared.settings.command_timeout, shared.settings.attempts);
+        in_tokio(shared.send(&command(name, &args), timeout, attempts)).await
+    }
+
+    async fn command_once(
+        &self,
+        name: &'static str,
+        args: Vec<Value>,
+        timeout: Duration,
+    ) -> Said<Value> {
+        let shared = &self.link.shared;
+        if !shared.is_connected() {
+            return Err(Failure::connection(format!(
+                "not connected to {} (reconnecting)",
+                shared.info.addr()
+            )));
+        }
+        in_tokio(shared.send(&command(name, &args), timeout, 1)).await
+    }
+
+    async fn connect(&self) -> Result<()> {
+        let shared = &self.link.shared;
+        if shared.is_connected() {
+            return Ok(());
+        }
+        match in_tokio(shared.attempt()).await {
+            Ok(()) => Ok(()),
+            Err(f) => Err(Error::backend(f)),
+        }
+    }
+
+    async fn connect_lazily(&self) {
+        self.link.shared.reconnect_soon();
+    }
+
+    async fn ready(&self) -> bool {
+        let shared = &self.link.shared;
+        loop {
+            let changed = shared.changed.listen();
+            if shared.is_connected() {
+                return true;
+            }
+            shared.reconnect_soon();
+            changed.await;
+        }
+    }
+
+    fn is_connected(&self) -> bool {
+        self.link.shared.is_connected()
+    }
+
+    fn identity(&self) -> Option<(String, i64)> {
+        let shared = &self.link.shared;
+        let id = shared.id.load(Ordering::Acquire);
+        (id >= 0 && shared.is_connected()).then(|| (self.server(), id))
+    }
+
+    fn server(&self) -> String {
+        match self.link.shared.info.addr() {
+            ConnectionAddr::Tcp(host, port) => format!("{host}:{port}"),
+            other => other.to_string(),
+        }
+    }
+
+    fn user(&self) -> String {
+        let info = &self.link.shared.info;
+        info.redis_settings()
+            .username()
+            .unwrap_or("default")
+            .to_owned()
+    }
+
+    fn command_timeout(&self) -> Duration {
+        self.link.shared.settings.command_timeout
+    }
+
+    fn reconnects(&self) -> BoxStream<'static, ()> {
+        notices(self.link.shared.reconnects.subscribe())
+    }
+
+    fn reconnect(&self) {
+        let shared = &self.link.shared;
+        if let Some(live) = shared.live() {
+            shared.dropped(live.epoch);
+        }
+    }
+
+    fn quit(&self) {
+        let shared = &self.link.shared;
+        shared.closed.store(true, Ordering::Release);
+        *shared.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The pub/sub connection to one server.
+struct RedisRsSubscriber {
+    link: Supervised,
+    /// The messages, until [`start`](Subscriber::start) takes them.
+    received: Mutex<Option<mpsc::UnboundedReceiver<Notice>>>,
+}
+
+impl Drop for RedisRsSubscriber {
+    fn drop(&mut self) {
+        self.quit();
+    }
+}
+
+#[async_trait]
+impl Subscriber for RedisRsSubscriber {
+    async fn start(&self) -> Result<(BoxStream<'static, Notice>, BoxStream<'static, ()>)> {
+        let shared = &self.link.shared;
+        let reconnects = notices(shared.reconnects.subscribe());
+        if !shared.is_connected() {
+            in_tokio(shared.attempt()).await.map_err(Error::backend)?;
+        }
+        let received = self
+            .received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| Error::backend("the subscriber was started twice"))?;
+        let messages = stream::unfold(received, |mut rx| async move {
+            rx.recv().await.map(|notice| (notice, rx))
+        })
+        .boxed();
+        Ok((messages, reconnects))
+    }
+
+    /// One command per channel: redis-rs takes a subscription's confirmation for its reply
+    /// (one per channel), so each returns once the server has it. A refused one (an ACL)
+    /// is no error here: the backend's check finds it.
+    async fn subscribe(&self, channels: Vec<String>, sharded: bool) -> Said<()> {
+        let name = if sharded { "SSUBSCRIBE" } else { "SUBSCRIBE" };
+        let shared = &self.link.shared;
+        let timeout = shared.settings.command_timeout;
+        let each = channels.into_iter().map(|c| {
+            let cmd = command(name, &[Value::from(c)]);
+            async move {
+                match in_tokio(shared.send(&cmd, timeout, 1)).await {
+                    Err(f) if f.is("NOPERM") => Ok(()),
+                    other => other.map(drop),
+                }
+            }
+        });
+        futures::future::try_join_all(each).await.map(drop)
+    }
+
+    async fn unsubscribe(&self, channel: String, sharded: bool) -> Said<()> {
+        let name = if sharded {
+            "SUNSUBSCRIBE"
+        } else {
+            "UNSUBSCRIBE"
+        };
+        let shared = &self.link.shared;
+        let cmd = command(name, &[Value::from(channel)]);
+        in_tokio(shared.send(&cmd, shared.settings.command_timeout, 1))
+            .await
+            .map(drop)
+    }
+
+    fn connection_id(&self) -> Option<i64> {
+        let id = self.link.shared.id.load(Ordering::Acquire);
+        (id >= 0).then_some(id)
+    }
+
+    fn is_connected(&self) -> bool {
+        self.link.shared.is_connected()
+    }
+
+    fn quit(&self) {
+        let shared = &self.link.shared;
+        shared.closed.store(true, Ordering::Release);
+        *shared.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cluster_url;
+
+    #[test]
+    fn cluster_urls_name_their_seeds_and_credentials() {
+        let (info, seeds) = cluster_url(
+            "redis",
+            "app:pw@10.0.0.1:7000,10.0.0.2:7001/0?node=10.0.0.3:7002",
+        )
+        .expect("a valid URL");
+        assert_eq!(
+            seeds,
+            vec![
+                ("10.0.0.1".to_owned(), 7000),
+                ("10.0.0.2".to_owned(), 7001),
+                ("10.0.0.3".to_owned(), 7002)
+            ]
+        );
+        assert_eq!(info.redis_settings().username(), Some("app"));
+        assert_eq!(info.redis_settings().password(), Some("pw"));
+        assert!(cluster_url("redis", "10.0.0.1:x").is_err());
+    }
 }
