@@ -57,7 +57,7 @@
 //! least one must be on, or the crate fails to compile with a message saying so. Several may
 //! be on at once (for example with `--all-features`); then the choice is made per call at run
 //! time: inside a tokio runtime tokio is used, otherwise smol if enabled, otherwise
-//! async-std. The Redis client (fred) always runs in a tokio context: the caller's tokio
+//! async-std. The Redis client (fred, or redis-rs) always runs in a tokio context: the caller's tokio
 //! runtime, or the crate's private one-thread runtime when the caller runs smol or
 //! async-std, so [`RedisBackend`] works under `smol::block_on` and `async_std::task::block_on`
 //! too. Background work shared by all users of a manager or backend (the watchdog, pub/sub
@@ -129,7 +129,10 @@
 //! queue length, the holder's [label](LockOptions::holder_label)); [`LockOptions::max_hold`]
 //! caps how long the watchdog keeps one hold alive; [`RedisBackend::fenced_set`] applies a
 //! write only if its fencing token is not older than the last applied one.
-//! [`RedisBackend::from_client`] builds a backend over a fred client the application has.
+//! [`RedisBackend::from_client`] builds a backend over a fred client the application has;
+//! with the `redis-rs` feature, [`RedisOptions::transport`] carries the commands over
+//! redis-rs instead, and `RedisBackend::from_redis_client` builds a backend from an
+//! application's redis-rs client.
 //!
 //! # Writing a store
 //!

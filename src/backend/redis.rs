@@ -71,15 +71,16 @@ use transport::{Connection, Script, Value};
 
 /// Leases on a Redis server (`redis://`, `rediss://` with the `tls` feature), a Redis
 /// Cluster (`redis-cluster://`) or the primary that Sentinel names (`redis-sentinel://`),
-/// through one multiplexed fred connection plus, once someone waits, one pub/sub connection;
+/// through one multiplexed connection plus, once someone waits, one pub/sub connection (fred's
+/// by default; redis-rs' with [`RedisOptions::transport`]);
 /// on a cluster, those per primary, each lock's calls going to the primary that serves its
 /// slot (so a primary that is down fails only the locks it serves). Serves every kind of
 /// lock: plain, fair, reentrant, read-write and semaphores. Grants can wait for replicas: see
 /// [`RedisOptions::replica_ack`].
 ///
 /// Reconnects are automatic (unlimited, exponential back-off up to 1 s); every command has a
-/// timeout, so no call hangs on a dead or paused server. fred runs in a tokio context: the
-/// caller's tokio runtime, or a private one when the caller runs smol or async-std.
+/// timeout, so no call hangs on a dead or paused server. The client runs in a tokio context:
+/// the caller's tokio runtime, or a private one when the caller runs smol or async-std.
 ///
 /// ```no_run
 /// # async fn demo() -> redlease::Result<()> {
