@@ -19,6 +19,10 @@ pub enum Lib {
     Redlease,
     /// redlease, `drop(guard)`: the release runs in the background.
     RedleaseDrop,
+    /// redlease over the redis-rs transport (`Transport::RedisRs`), explicit release.
+    RedleaseRedisRs,
+    /// redlease over the redis-rs transport, `drop(guard)`.
+    RedleaseRedisRsDrop,
     /// redlease, a fair (FIFO) lock, explicit release (W3 only).
     RedleaseFair,
     /// The floor: SET NX PX + a compare-and-delete script, sent by hand on fred.
@@ -38,6 +42,8 @@ impl Lib {
         match self {
             Lib::Redlease => "redlease (explicit release)",
             Lib::RedleaseDrop => "redlease (drop release)",
+            Lib::RedleaseRedisRs => "redlease on redis-rs (explicit release)",
+            Lib::RedleaseRedisRsDrop => "redlease on redis-rs (drop release)",
             Lib::RedleaseFair => "redlease fair (explicit release)",
             Lib::FredRaw => "raw floor: fred SET NX PX + script",
             Lib::RedisRsRaw => "raw floor: redis-rs SET NX PX + script",
@@ -52,6 +58,8 @@ impl Lib {
 #[derive(Clone)]
 pub struct Clients {
     pub redlease: redlease::LockManager,
+    /// The same, its commands carried by redis-rs instead of fred.
+    redlease_redis_rs: redlease::LockManager,
     fred: fred::clients::Client,
     script: Script,
     redis_rs: MultiplexedConnection,
@@ -62,6 +70,13 @@ impl Clients {
     /// Clients of the single node at `url`.
     pub async fn connect(url: &str) -> Clients {
         let (redlease, fred, script) = redlease_and_fred(url).await;
+        let options = redlease::RedisOptions::new().transport(redlease::Transport::RedisRs);
+        let backend = redlease::RedisBackend::connect_with(url, options)
+            .await
+            .expect("redlease connects over redis-rs");
+        let opts = redlease::LockOptions::new().ttl(TTL);
+        let redlease_redis_rs =
+            redlease::LockManager::with_options(backend, opts).expect("options");
         let redis_rs = redis::Client::open(url)
             .expect("redis-rs url")
             .get_multiplexed_async_connection()
@@ -70,6 +85,7 @@ impl Clients {
         let rslock = rslock::LockManager::new(vec![url.to_string()]);
         Clients {
             redlease,
+            redlease_redis_rs,
             fred,
             script,
             redis_rs,
@@ -84,6 +100,9 @@ impl Clients {
         match lib {
             Lib::Redlease | Lib::RedleaseFair | Lib::RedleaseDrop => {
                 redlease_cycle(&self.redlease, lib, key, wait).await;
+            }
+            Lib::RedleaseRedisRs | Lib::RedleaseRedisRsDrop => {
+                redlease_cycle(&self.redlease_redis_rs, lib, key, wait).await;
             }
             Lib::FredRaw => fred_floor(&self.fred, &self.script, key, false).await,
             Lib::RedisRsRaw => {
@@ -127,6 +146,14 @@ impl Clients {
                 self.redlease.lock(key).acquire().await.expect("acquire"),
                 lib,
             ),
+            Lib::RedleaseRedisRs | Lib::RedleaseRedisRsDrop => Held::Redlease(
+                self.redlease_redis_rs
+                    .lock(key)
+                    .acquire()
+                    .await
+                    .expect("acquire"),
+                lib,
+            ),
             Lib::RedleaseFair => Held::Redlease(
                 self.redlease
                     .lock(key)
@@ -166,7 +193,7 @@ impl Held {
 
     pub async fn release(self) {
         match self {
-            Held::Redlease(g, Lib::RedleaseDrop) => drop(g),
+            Held::Redlease(g, Lib::RedleaseDrop | Lib::RedleaseRedisRsDrop) => drop(g),
             Held::Redlease(g, _) => {
                 g.release().await.expect("release");
             }
@@ -275,7 +302,7 @@ async fn redlease_cycle(locks: &redlease::LockManager, lib: Lib, key: &str, wait
         let g = lock.try_acquire().await.expect("acquire");
         g.expect("free key")
     };
-    if lib == Lib::RedleaseDrop {
+    if matches!(lib, Lib::RedleaseDrop | Lib::RedleaseRedisRsDrop) {
         drop(g);
     } else {
         g.release().await.expect("release");

@@ -186,10 +186,13 @@ async fn main() {
     let single = [
         Lib::Redlease,
         Lib::RedleaseDrop,
+        Lib::RedleaseRedisRs,
+        Lib::RedleaseRedisRsDrop,
         Lib::FredRaw,
         Lib::RedisRsRaw,
         Lib::Rslock,
     ];
+    let at = |lib: Lib| single.iter().position(|l| *l == lib).expect("a W1/W2 row");
 
     // W1 and W2, interleaved: each repeat runs every library once, in a rotated order.
     // The "same key" rows re-take the key the last cycle let go: a drop release must not make
@@ -245,8 +248,8 @@ async fn main() {
                 results[i].push(v);
             }
         }
-        let floor = spread(&results[2]).0;
-        let rslock = spread(&results[4]).0;
+        let floor = spread(&results[at(Lib::FredRaw)]).0;
+        let rslock = spread(&results[at(Lib::Rslock)]).0;
         writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock | Redis CPU per cycle | client CPU per cycle |\n|---|---|---|---|---|---|").unwrap();
         for (i, lib) in single.iter().enumerate() {
             let m = spread(&results[i]).0;
