@@ -201,6 +201,23 @@ async fn from_client_a_dead_primary_costs_only_the_leases_on_its_own_shard() {
     one_primary_down(Down::Killed, cluster, backend).await;
 }
 
+/// The same with a backend made by `RedisBackend::from_redis_client` (feature `redis-rs`) over
+/// an application's redis-rs client of one cluster node: the node says it is in a cluster,
+/// and the backend opens a connection per primary from the client's settings, so a dead
+/// primary again costs only its own shard's leases.
+#[cfg(feature = "redis-rs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_redis_client_a_dead_primary_costs_only_the_leases_on_its_own_shard() {
+    let cluster = RedisCluster::start(3, 0);
+    let node = format!("redis://127.0.0.1:{}", cluster.nodes[0].port());
+    let client = redis::Client::open(node.as_str()).expect("a node's URL");
+    let backend = RedisBackend::from_redis_client(&client, support::redis_options())
+        .await
+        .expect("from_redis_client");
+    assert!(backend.client().is_none(), "redis-rs carries it");
+    one_primary_down(Down::Killed, cluster, backend).await;
+}
+
 /// A fred client of the cluster at `url`, made as an application would (unlimited reconnects,
 /// a command timeout), and connected.
 async fn cluster_client(url: &str, timeout: Duration) -> fred::prelude::Client {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use redlease::backend::{Attempt, Claim, NodeTerms};
 use redlease::{
     Backend, Error, FencedWrite, LockInfo, LockManager, LockOptions, MemoryBackend, RedisBackend,
-    Redlock, RedlockOptions,
+    RedisOptions, Redlock, RedlockOptions,
 };
 use support::RedisServer;
 
@@ -471,4 +471,103 @@ async fn from_client_serves_locks_beside_the_applications_own_commands() {
     // The client is still the application's to use.
     let n: i64 = client.incr("app:counter").await.unwrap();
     assert_eq!(n, 1);
+}
+
+/// `RedisBackend::from_redis_client` (feature `redis-rs`): locks over the server, credentials
+/// and database of a redis-rs client the application made, on connections of the backend's
+/// own. Leases live in the client's database, another process is refused, a waiter is woken
+/// by a release, and the application's client keeps working beside it.
+#[cfg(feature = "redis-rs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_redis_client_serves_locks_in_the_client_s_database_with_its_credentials() {
+    use redlease::RetryPolicy;
+
+    let srv = RedisServer::start_with(&["--requirepass", "pw"]);
+    let url = format!("redis://:pw@127.0.0.1:{}/3", srv.port());
+    let client = redis::Client::open(url.as_str()).expect("a valid URL");
+    let backend = RedisBackend::from_redis_client(&client, RedisOptions::new())
+        .await
+        .unwrap();
+    assert!(backend.client().is_none(), "no fred client underneath");
+    assert!(backend.is_connected());
+    let opts = LockOptions::new()
+        .ttl(Duration::from_secs(5))
+        .retry(RetryPolicy::notify().max_delay(Duration::from_secs(30)));
+    let locks = LockManager::with_options(backend, opts.clone()).unwrap();
+    let elsewhere = LockManager::with_options(
+        RedisBackend::connect(&url).await.expect("fred connects"),
+        opts,
+    )
+    .unwrap();
+
+    let held = locks.lock("redis-rs").acquire().await.unwrap();
+    let key = locks.lock("redis-rs").key().as_str().to_owned();
+    let mut conn = srv.connect();
+    conn.cmd(&["AUTH", "pw"]).unwrap();
+    conn.cmd(&["SELECT", "3"]).unwrap();
+    assert_eq!(
+        conn.cmd(&["EXISTS", &key]).unwrap().as_int(),
+        Some(1),
+        "the lease lives in the client's database"
+    );
+    assert!(
+        elsewhere
+            .lock("redis-rs")
+            .try_acquire()
+            .await
+            .unwrap()
+            .is_none(),
+        "another process is refused"
+    );
+    // The application's own client, beside the locks.
+    let mut app = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the application's connection");
+    let _: () = redis::cmd("SET")
+        .arg("app:greeting")
+        .arg("hello")
+        .query_async(&mut app)
+        .await
+        .unwrap();
+    let fence = held.fencing_token();
+    held.release().await.unwrap();
+    let theirs = elsewhere
+        .lock("redis-rs")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(theirs.fencing_token() > fence);
+
+    // A waiter on the redis-rs backend, woken by the other process's release.
+    let waiter = {
+        let lock = locks.lock("redis-rs");
+        tokio::spawn(async move { lock.acquire().await })
+    };
+    let waiting = support::wait_for_async(SOON, || {
+        let mut conn = srv.connect();
+        conn.cmd(&["AUTH", "pw"]).unwrap();
+        conn.cmd(&["PUBSUB", "NUMSUB", "redlease:{redis-rs}:released"])
+            .unwrap()
+            .as_array()
+            .and_then(|a| a.get(1).and_then(|n| n.as_int()))
+            == Some(1)
+    })
+    .await;
+    assert!(waiting, "the waiter never subscribed");
+    theirs.release().await.unwrap();
+    // Well before the 5 s lease would have run out: woken, not a re-check at expiry.
+    let mine = tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect("the waiter was woken by the release")
+        .unwrap()
+        .unwrap();
+    mine.release().await.unwrap();
+    let greeting: Option<String> = redis::cmd("GET")
+        .arg("app:greeting")
+        .query_async(&mut app)
+        .await
+        .unwrap();
+    assert_eq!(greeting.as_deref(), Some("hello"));
 }

@@ -31,7 +31,7 @@ fn secs(n: u64) -> Duration {
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn redis_options(ack: ReplicaAck) -> RedisOptions {
-    RedisOptions::new()
+    support::redis_options()
         .command_timeout(COMMAND_TIMEOUT)
         .connect_timeout(Duration::from_secs(1))
         .replica_ack(ack)
@@ -832,7 +832,7 @@ async fn a_waiting_acquire_waits_out_readonly_and_noreplicas() {
 async fn a_waiting_acquire_waits_out_a_failed_acknowledgement() {
     let d = RedisSentinels::start(1, 0);
     let (primary, replica) = (&d.nodes[0], &d.nodes[1]);
-    let options = RedisOptions::new()
+    let options = support::redis_options()
         .command_timeout(secs(3))
         .replica_ack(ReplicaAck::replicas(1).timeout(ms(1500)));
     let backend = RedisBackend::connect_with(&primary.url(), options)

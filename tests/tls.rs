@@ -348,3 +348,54 @@ async fn bad_pem_and_names_are_invalid_config() {
     let msg = invalid_message(connect("redis://127.0.0.1:1", plain).await);
     assert!(msg.contains("rediss://"), "{msg}");
 }
+
+/// On the redis-rs transport (feature `redis-rs`): a server that wants a client certificate,
+/// trusted through a private CA; locks round-trip with the identity given as files and as
+/// text (the pub/sub connection speaks TLS too), a client without one is refused, and a
+/// server name other than the host is refused as `Unsupported` (redis-rs cannot check
+/// another name), naming the way out.
+#[cfg(feature = "redis-rs")]
+#[tokio::test]
+async fn redis_rs_speaks_tls_with_a_private_ca_and_a_client_certificate() {
+    use redlease::Transport;
+    let on_redis_rs = || RedisOptions::new().transport(Transport::RedisRs);
+    let pki = Pki::new();
+    let srv = pki.server(&["127.0.0.1"], true);
+    let trust = TlsOptions::new().ca_file(pki.path("ca.crt"));
+
+    let anonymous = on_redis_rs()
+        .connect_timeout(Duration::from_secs(2))
+        .tls(trust.clone());
+    assert!(
+        matches!(
+            connect(&url(&srv), anonymous).await,
+            Err(Error::Backend { .. })
+        ),
+        "a client without a certificate was let in"
+    );
+
+    let (cert, key) = pki.issue(
+        "client",
+        &["client.test"],
+        ExtendedKeyUsagePurpose::ClientAuth,
+    );
+    let files = trust
+        .clone()
+        .identity_files(pki.path("client.crt"), pki.path("client.key"));
+    let backend = connect(&url(&srv), on_redis_rs().tls(files)).await.unwrap();
+    assert!(backend.client().is_none(), "redis-rs carries it");
+    round_trip(backend).await;
+    let text = trust.clone().identity_pem(cert, key);
+    round_trip(connect(&url(&srv), on_redis_rs().tls(text)).await.unwrap()).await;
+
+    let named = trust.server_name("redis.test");
+    match connect(&url(&srv), on_redis_rs().tls(named)).await {
+        Err(Error::Unsupported(m)) => {
+            assert!(
+                m.contains("server_name") && m.contains("Transport::Fred"),
+                "{m}"
+            )
+        }
+        other => panic!("server_name on redis-rs: expected Unsupported, got {other:?}"),
+    }
+}

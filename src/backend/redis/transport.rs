@@ -32,7 +32,10 @@ pub(super) mod fred;
 pub(super) mod redis_rs;
 
 #[cfg(feature = "tls")]
-pub use fred::tls::TlsOptions;
+mod tls;
+
+#[cfg(feature = "tls")]
+pub use tls::TlsOptions;
 
 /// Which client carries a [`RedisBackend`](super::RedisBackend)'s commands; see
 /// [`RedisOptions::transport`](crate::RedisOptions::transport()).

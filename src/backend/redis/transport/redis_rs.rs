@@ -13,9 +13,15 @@
 //! command that times out has the connection checked with a `PING`, and remade if that goes
 //! unanswered too (a paused server, a silent network), as fred drops an unresponsive one.
 //!
-//! What redis-rs cannot do here is refused with [`Error::Unsupported`] naming it: Sentinel
-//! URLs (redis-rs' own Sentinel client gives a connection that does not find the primary
-//! again after a failover) and, for now, TLS.
+//! Behind Sentinel (`redis-sentinel://`), each connection asks the sentinels for the primary
+//! every time it is made, and checks with `ROLE` that the server it reached is the primary
+//! (redis-rs' own Sentinel client gives a connection that does not find the primary again
+//! after a failover). After a `READONLY` the backend has the connection remade, which asks
+//! again.
+//!
+//! TLS (`rediss://`, feature `tls`) goes through redis-rs' rustls: the CA and the client's
+//! identity of [`TlsOptions`](crate::TlsOptions) are given to it as PEM; a server name other
+//! than the URL's host cannot be, and is refused with [`Error::Unsupported`] naming it.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -47,69 +53,171 @@ pub(in crate::backend::redis) async fn open(
     _wait: bool,
 ) -> Result<Target> {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    if scheme.ends_with("-sentinel") {
-        return Err(Error::Unsupported(format!(
-            "{scheme}:// on the redis-rs transport: redis-rs' Sentinel client gives a \
-             connection that does not ask the sentinels for the primary again after a \
-             failover; use Transport::Fred for Sentinel"
-        )));
-    }
-    if matches!(
-        scheme,
-        "rediss" | "valkeys" | "rediss-cluster" | "valkeys-cluster"
-    ) {
-        return Err(Error::Unsupported(format!(
-            "{scheme}:// on the redis-rs transport: TLS is not served on it yet; use \
-             Transport::Fred for TLS"
-        )));
-    }
     let settings = Settings::of(options);
+    // The connection settings, over TLS if the URL asks (`connect` has refused a TLS URL
+    // without the `tls` feature).
+    let secure = |info: ConnectionInfo| async move {
+        #[cfg(feature = "tls")]
+        if matches!(info.addr(), ConnectionAddr::TcpTls { .. }) {
+            return with_tls(info, &options.tls).await;
+        }
+        Ok::<_, Error>(info)
+    };
     if let Some(plain) = scheme.strip_suffix("-cluster") {
-        let (info, seeds) = cluster_url(plain, rest)?;
+        let (info, seeds, _) = hosts_url(plain, rest, 6379)?;
+        let info = secure(info).await?;
         return Ok(Target::Cluster {
             seeds,
             connector: Arc::new(RedisRsConnector { info, settings }),
         });
     }
-    let info = parse(url)?;
-    Ok(Target::Single(node(info, &settings)))
+    if let Some(plain) = scheme.strip_suffix("-sentinel") {
+        let mut sentinels = Sentinels::of(plain, rest)?;
+        sentinels.template = secure(sentinels.template).await?;
+        return Ok(Target::Single(node(
+            Source::Sentinel(Arc::new(sentinels)),
+            &settings,
+        )));
+    }
+    let info = secure(parse(url)?).await?;
+    Ok(Target::Single(node(
+        Source::Fixed(Box::new(info)),
+        &settings,
+    )))
+}
+
+/// `info` (a `rediss://` URL's) with [`TlsOptions`](crate::TlsOptions)' CA and identity,
+/// read on a blocking thread. A server name of its own cannot be given to redis-rs: refused.
+#[cfg(feature = "tls")]
+async fn with_tls(info: ConnectionInfo, tls: &super::TlsOptions) -> Result<ConnectionInfo> {
+    if let Some(name) = tls.name() {
+        return Err(Error::Unsupported(format!(
+            "TlsOptions::server_name({name:?}) on the redis-rs transport: redis-rs checks the \
+             certificate against the URL's host only; use Transport::Fred, or a URL whose host \
+             the certificate names"
+        )));
+    }
+    let tls = tls.clone();
+    let read = move || -> Result<redis::TlsCertificates> {
+        let identity = tls.identity_text()?;
+        Ok(redis::TlsCertificates {
+            client_tls: identity.map(|((chain, _), (key, _))| redis::ClientTlsConfig {
+                client_cert: chain,
+                client_key: key,
+            }),
+            root_cert: tls.ca_text()?.map(|(ca, _)| ca),
+        })
+    };
+    let certificates = in_tokio(tokio::task::spawn_blocking(read))
+        .await
+        .map_err(|e| Error::backend(format!("reading the TLS settings: {e}")))??;
+    // redis-rs builds its rustls configuration with the process's default provider: ring,
+    // unless the application installed one already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = Client::build_with_tls(info, certificates)
+        .map_err(|e| Error::invalid(format!("TLS settings refused by redis-rs: {e}")))?;
+    Ok(client.get_connection_info().clone())
+}
+
+/// `info` for the server at `host:port`, over TLS if `info` is.
+fn at(info: &ConnectionInfo, host: &str, port: u16) -> ConnectionInfo {
+    let addr = match info.addr().clone() {
+        ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure,
+            tls_params,
+        },
+        _ => ConnectionAddr::Tcp(host.to_owned(), port),
+    };
+    info.clone().set_addr(addr)
 }
 
 impl RedisBackend {
     /// A backend over the server an application's redis-rs client names (feature
-    /// `redis-rs`): its address, credentials and database, with connections of the
-    /// backend's own (a multiplexed one for commands, one for pub/sub; see
-    /// [`Transport::RedisRs`](crate::Transport)) and the default [`RedisOptions`]. Connects
-    /// now, and checks the server as [`connect`](Self::connect) does.
+    /// `redis-rs`): its address, credentials, database and TLS settings, with `options`
+    /// (timeouts, replica acknowledgement, the restart quarantine; its transport and TLS
+    /// options are the client's) and connections of the backend's own (a multiplexed one for
+    /// commands, one for pub/sub; see [`Transport::RedisRs`](crate::Transport)). Connects
+    /// now, and checks the server as [`connect`](Self::connect) does. For an application
+    /// that holds a `ConnectionManager`, give the client it was made from.
+    ///
+    /// **A Redis Cluster node's client** (its server says `cluster_enabled:1`) stands for the
+    /// cluster: as [`connect`](Self::connect) does with a `redis-cluster://` URL, the backend
+    /// asks it for the slot table and opens a connection per primary with the client's
+    /// settings, sending each lock's calls to the primary that serves its slot, so one dead
+    /// primary costs only the locks it serves.
     ///
     /// ```no_run
     /// # async fn demo() -> redlease::Result<()> {
+    /// use redlease::{LockManager, RedisBackend, RedisOptions};
     /// let client = redis::Client::open("redis://127.0.0.1:6379/").expect("a valid URL");
-    /// let backend = redlease::RedisBackend::from_redis_client(&client).await?;
-    /// let locks = redlease::LockManager::new(backend);
+    /// let backend = RedisBackend::from_redis_client(&client, RedisOptions::new()).await?;
+    /// let locks = LockManager::new(backend);
     /// # Ok(()) }
     /// ```
     ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for a client over TLS or a Unix socket; otherwise as
-    /// [`connect`](Self::connect).
-    pub async fn from_redis_client(client: &Client) -> Result<Self> {
-        let options = RedisOptions::default();
+    /// [`Error::Unsupported`] for a client on a Unix socket; [`Error::InvalidConfig`] for
+    /// bad options; otherwise as [`connect`](Self::connect).
+    pub async fn from_redis_client(client: &Client, options: RedisOptions) -> Result<Self> {
+        options.validate()?;
         let info = client.get_connection_info().clone();
-        if !matches!(info.addr(), ConnectionAddr::Tcp(..)) {
-            return Err(Error::Unsupported(format!(
-                "a redis-rs client at {} on the redis-rs transport: only plain TCP is served \
-                 yet",
-                info.addr()
-            )));
-        }
-        let target = Target::Single(node(info, &Settings::of(&options)));
+        let (host, port) = match info.addr() {
+            ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                (host.clone(), *port)
+            }
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "a redis-rs client at {other} on the redis-rs transport: only TCP is \
+                     served"
+                )))
+            }
+        };
+        let settings = Settings::of(&options);
+        let target = if clustered(&info, options.connect_timeout).await? {
+            Target::Cluster {
+                seeds: vec![(host, port)],
+                connector: Arc::new(RedisRsConnector { info, settings }),
+            }
+        } else {
+            Target::Single(node(Source::Fixed(Box::new(info)), &settings))
+        };
         let checks = Checks {
             allow_eviction: options.allow_eviction,
             ack: options.replica_ack,
         };
-        RedisBackend::of_target(target, checks, true).await
+        let quarantine = options.restart_quarantine;
+        RedisBackend::of_target(target, checks, true)
+            .await?
+            .with_restart_quarantine(quarantine)
+    }
+}
+
+/// Whether the server `info` names is a Redis Cluster node (`INFO cluster`), asked on a
+/// connection of its own within `timeout`.
+async fn clustered(info: &ConnectionInfo, timeout: Duration) -> Result<bool> {
+    let client = Client::open(info.clone()).map_err(Error::backend)?;
+    let ask = async {
+        let mut connection = client.get_multiplexed_async_connection().await?;
+        let mut info = redis::cmd("INFO");
+        info.arg("cluster");
+        connection.send_packed_command(&info).await
+    };
+    match in_tokio(tokio::time::timeout(timeout, ask)).await {
+        Ok(Ok(reply)) => Ok(from_redis(reply)
+            .as_string()
+            .is_some_and(|text| text.lines().any(|l| l.trim() == "cluster_enabled:1"))),
+        Ok(Err(e)) => Err(Error::backend(failure(&e))),
+        Err(_) => Err(Error::backend(format!(
+            "{} did not answer within the connect timeout",
+            address(info)
+        ))),
     }
 }
 
@@ -119,6 +227,7 @@ fn parse(url: &str) -> Result<ConnectionInfo> {
     // redis-rs reads redis:// and valkey:// alike.
     let url = match scheme {
         "valkey" => format!("redis://{rest}"),
+        "valkeys" => format!("rediss://{rest}"),
         _ => url.to_owned(),
     };
     let client = Client::open(url.as_str())
@@ -126,9 +235,16 @@ fn parse(url: &str) -> Result<ConnectionInfo> {
     Ok(client.get_connection_info().clone())
 }
 
-/// A cluster URL (`redis-cluster://[user:pass@]host:port[,host:port...][/db][?node=host:port]`)
-/// as one node's settings and the seeds.
-fn cluster_url(plain: &str, rest: &str) -> Result<(ConnectionInfo, Vec<(String, u16)>)> {
+/// The query of a URL with several hosts, as pairs.
+type Query = Vec<(String, String)>;
+
+/// Hosts as `(host, port)`.
+type Hosts = Vec<(String, u16)>;
+
+/// A URL with several hosts (`redis-cluster://` or `redis-sentinel://`:
+/// `[user:pass@]host:port[,host:port...][/db][?node=host:port&...]`, fred's form) as the first
+/// host's settings, every host (`default_port` where none is given), and the query.
+fn hosts_url(plain: &str, rest: &str, default_port: u16) -> Result<(ConnectionInfo, Hosts, Query)> {
     let (authority, tail) = match rest.find(['/', '?']) {
         Some(i) => rest.split_at(i),
         None => (rest, ""),
@@ -141,7 +257,7 @@ fn cluster_url(plain: &str, rest: &str) -> Result<(ConnectionInfo, Vec<(String, 
     let mut add = |hostport: &str| -> Result<()> {
         let (host, port) = hostport
             .rsplit_once(':')
-            .map_or((hostport, Ok(6379)), |(h, p)| (h, p.parse::<u16>()));
+            .map_or((hostport, Ok(default_port)), |(h, p)| (h, p.parse::<u16>()));
         let port = port.map_err(|_| Error::invalid(format!("bad port in {hostport:?}")))?;
         seeds.push((host.to_owned(), port));
         Ok(())
@@ -150,18 +266,145 @@ fn cluster_url(plain: &str, rest: &str) -> Result<(ConnectionInfo, Vec<(String, 
         add(host)?;
     }
     let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
-    for pair in query.split('&') {
-        if let Some(node) = pair.strip_prefix("node=") {
-            add(node)?;
+    let mut pairs = Query::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match name {
+            "node" => add(value)?,
+            _ => pairs.push((name.to_owned(), value.to_owned())),
         }
     }
     let Some((host, port)) = seeds.first().cloned() else {
         return Err(Error::invalid("Redis URL has no host"));
     };
-    let scheme = if plain == "valkey" { "redis" } else { plain };
+    let scheme = match plain {
+        "rediss" | "valkeys" => "rediss",
+        _ => "redis",
+    };
     let credentials = credentials.map_or(String::new(), |c| format!("{c}@"));
     let info = parse(&format!("{scheme}://{credentials}{host}:{port}{path}"))?;
-    Ok((info, seeds))
+    Ok((info, seeds, pairs))
+}
+
+/// The sentinels of a `redis-sentinel://` URL, and how to reach the primary they name.
+struct Sentinels {
+    /// The sentinels' addresses.
+    nodes: Vec<(String, u16)>,
+    /// The service they monitor (`sentinelServiceName`).
+    service: String,
+    /// The sentinels' own credentials (`sentinelUsername`, `sentinelPassword`), if any.
+    auth: (Option<String>, Option<String>),
+    /// The primary's settings (credentials, database), made its own by its address.
+    template: ConnectionInfo,
+}
+
+impl Sentinels {
+    fn of(plain: &str, rest: &str) -> Result<Self> {
+        let (template, nodes, query) = hosts_url(plain, rest, 26379)?;
+        let value = |name: &str| {
+            query
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        let service = value("sentinelServiceName")
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "a redis-sentinel:// URL needs ?sentinelServiceName=<the monitored service>",
+                )
+            })?;
+        Ok(Sentinels {
+            nodes,
+            service,
+            auth: (value("sentinelUsername"), value("sentinelPassword")),
+            template,
+        })
+    }
+
+    /// The primary's settings, as the first sentinel that answers names it
+    /// (`SENTINEL get-master-addr-by-name`), each asked within `timeout`.
+    async fn primary(&self, timeout: Duration) -> Said<ConnectionInfo> {
+        let mut last = Failure::connection("no sentinel answered");
+        for (host, port) in &self.nodes {
+            match tokio::time::timeout(timeout, self.ask(host, *port)).await {
+                Ok(Ok(info)) => return Ok(info),
+                Ok(Err(f)) => last = f,
+                Err(_) => last = Failure::connection(format!("sentinel {host}:{port} timed out")),
+            }
+        }
+        Err(last)
+    }
+
+    async fn ask(&self, host: &str, port: u16) -> Said<ConnectionInfo> {
+        let mut redis = redis::RedisConnectionInfo::default();
+        if let Some(user) = &self.auth.0 {
+            redis = redis.set_username(user);
+        }
+        if let Some(password) = &self.auth.1 {
+            redis = redis.set_password(password);
+        }
+        // Over TLS if the primary is reached over TLS.
+        let info = at(&self.template, host, port).set_redis_settings(redis);
+        let client = Client::open(info).map_err(|e| failure(&e))?;
+        let mut connection = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| failure(&e))?;
+        let mut ask = redis::cmd("SENTINEL");
+        ask.arg("get-master-addr-by-name").arg(&self.service);
+        let reply = connection
+            .send_packed_command(&ask)
+            .await
+            .map_err(|e| failure(&e))?;
+        let named = from_redis(reply).into_array();
+        match (
+            named.first().and_then(Value::as_string),
+            named.get(1).and_then(Value::as_i64),
+        ) {
+            (Some(ip), Some(port)) => {
+                let port = u16::try_from(port)
+                    .map_err(|_| Failure::connection(format!("sentinel named port {port}")))?;
+                Ok(at(&self.template, &ip, port))
+            }
+            _ => Err(Failure::connection(format!(
+                "sentinel {host}:{port} knows no service {:?}",
+                self.service
+            ))),
+        }
+    }
+}
+
+/// Where a connection goes: one server, or the primary that sentinels name (asked again at
+/// every connection).
+enum Source {
+    Fixed(Box<ConnectionInfo>),
+    Sentinel(Arc<Sentinels>),
+}
+
+impl Source {
+    fn clone_ref(&self) -> Source {
+        match self {
+            Source::Fixed(info) => Source::Fixed(info.clone()),
+            Source::Sentinel(s) => Source::Sentinel(s.clone()),
+        }
+    }
+
+    /// The address named in messages, before a connection says where it went.
+    fn named(&self) -> String {
+        match self {
+            Source::Fixed(info) => address(info),
+            Source::Sentinel(s) => format!("the primary of {:?}", s.service),
+        }
+    }
+}
+
+/// `host:port` of `info`.
+fn address(info: &ConnectionInfo) -> String {
+    match info.addr() {
+        ConnectionAddr::Tcp(host, port) => format!("{host}:{port}"),
+        other => other.to_string(),
+    }
 }
 
 /// The connection settings of a backend's connections.
@@ -183,22 +426,26 @@ impl Settings {
 }
 
 /// A server's two connections.
-fn node(info: ConnectionInfo, settings: &Settings) -> Node {
-    let resp3 = info
-        .redis_settings()
-        .clone()
-        .set_protocol(ProtocolVersion::RESP3);
-    let info = info.set_redis_settings(resp3);
+fn node(source: Source, settings: &Settings) -> Node {
     let (messages, received) = mpsc::unbounded_channel();
     Node {
         connection: Arc::new(RedisRsConnection {
-            link: Supervised::new(info.clone(), *settings, None),
+            link: Supervised::new(source.clone_ref(), *settings, None),
         }),
         subscriber: Arc::new(RedisRsSubscriber {
-            link: Supervised::new(info, *settings, Some(messages)),
+            link: Supervised::new(source, *settings, Some(messages)),
             received: Mutex::new(Some(received)),
         }),
     }
+}
+
+/// `info` on RESP3: redis-rs pushes a notice the moment its socket drops.
+fn resp3(info: ConnectionInfo) -> ConnectionInfo {
+    let settings = info
+        .redis_settings()
+        .clone()
+        .set_protocol(ProtocolVersion::RESP3);
+    info.set_redis_settings(settings)
 }
 
 /// A cluster's nodes, with the cluster's settings.
@@ -209,11 +456,10 @@ struct RedisRsConnector {
 
 impl Connector for RedisRsConnector {
     fn node(&self, host: &str, port: u16, _wait: bool) -> Result<Node> {
-        let info = self
-            .info
-            .clone()
-            .set_addr(ConnectionAddr::Tcp(host.to_owned(), port));
-        Ok(node(info, &self.settings))
+        Ok(node(
+            Source::Fixed(Box::new(at(&self.info, host, port))),
+            &self.settings,
+        ))
     }
 }
 
@@ -307,7 +553,9 @@ struct Supervised {
 }
 
 struct Shared {
-    info: ConnectionInfo,
+    source: Source,
+    /// The server's address (behind Sentinel: the primary last reached).
+    server: Mutex<String>,
     settings: Settings,
     /// The connection now (`None` while it is being made).
     live: Mutex<Option<Live>>,
@@ -329,14 +577,15 @@ struct Shared {
 
 impl Supervised {
     fn new(
-        info: ConnectionInfo,
+        source: Source,
         settings: Settings,
         messages: Option<mpsc::UnboundedSender<Notice>>,
     ) -> Self {
         let (reconnects, _) = broadcast::channel(16);
         Supervised {
             shared: Arc::new(Shared {
-                info,
+                server: Mutex::new(source.named()),
+                source,
                 settings,
                 live: Mutex::new(None),
                 id: AtomicI64::new(-1),
@@ -361,15 +610,23 @@ impl Shared {
     async fn attempt(self: &Arc<Self>) -> Said<()> {
         let weak = Arc::downgrade(self);
         let pushes = self.messages.clone();
+        // This connection's number once installed (0 before; `u64::MAX`: it dropped before):
+        // a late notice of an old connection's drop must not drop its successor.
+        let mine = Arc::new(AtomicU64::new(0));
+        let installed = mine.clone();
         let sender = move |info: PushInfo| -> std::result::Result<(), ()> {
-            on_push(&weak, pushes.as_ref(), info);
+            on_push(&weak, pushes.as_ref(), &mine, info);
             Ok(())
         };
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.settings.connect_timeout))
             .set_response_timeout(None)
             .set_push_sender(sender);
-        let client = Client::open(self.info.clone()).map_err(|e| failure(&e))?;
+        let info = match &self.source {
+            Source::Fixed(info) => (**info).clone(),
+            Source::Sentinel(sentinels) => sentinels.primary(self.settings.connect_timeout).await?,
+        };
+        let client = Client::open(resp3(info.clone())).map_err(|e| failure(&e))?;
         let made = tokio::time::timeout(
             self.settings.connect_timeout,
             client.get_multiplexed_async_connection_with_config(&config),
@@ -390,9 +647,37 @@ impl Shared {
             // An ACL that refuses CLIENT ID: acknowledgements count reconnects instead.
             _ => -1,
         };
+        if let Source::Sentinel(sentinels) = &self.source {
+            // A failover in progress: the sentinels may still name the old primary.
+            let role = tokio::time::timeout(
+                self.settings.connect_timeout,
+                connection.send_packed_command(&redis::cmd("ROLE")),
+            )
+            .await;
+            let role = match role {
+                Ok(Ok(reply)) => from_redis(reply)
+                    .into_array()
+                    .first()
+                    .and_then(Value::as_string),
+                _ => None,
+            };
+            if role.as_deref() != Some("master") {
+                return Err(Failure::connection(format!(
+                    "{} is not the primary of {:?} (yet)",
+                    address(&info),
+                    sentinels.service
+                )));
+            }
+        }
+        *self.server.lock().unwrap_or_else(|p| p.into_inner()) = address(&info);
         let epoch = self.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         self.id.store(id, Ordering::Release);
         *self.live.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { connection, epoch });
+        if installed.swap(epoch, Ordering::AcqRel) == u64::MAX {
+            // It dropped while it was being set up.
+            self.dropped(epoch);
+            return Err(Failure::connection("the connection dropped as it was made"));
+        }
         self.changed.notify(usize::MAX);
         if epoch > 1 {
             let _ = self.reconnects.send(());
@@ -455,7 +740,7 @@ impl Shared {
             if left.is_zero() || tokio::time::timeout(left, changed).await.is_err() {
                 return Err(Failure::connection(format!(
                     "not connected to {} (reconnecting)",
-                    self.info.addr()
+                    self.server()
                 )));
             }
         }
@@ -495,7 +780,7 @@ impl Shared {
                     self.check(connection, epoch);
                     return Err(Failure::connection(format!(
                         "a command to {} timed out after {timeout:?}",
-                        self.info.addr()
+                        self.server()
                     )));
                 }
             }
@@ -521,6 +806,13 @@ impl Shared {
     fn is_connected(&self) -> bool {
         self.live().is_some()
     }
+
+    fn server(&self) -> String {
+        self.server
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 /// A push from the server or redis-rs: a dropped socket has the connection made again; a
@@ -528,15 +820,19 @@ impl Shared {
 fn on_push(
     shared: &Weak<Shared>,
     messages: Option<&mpsc::UnboundedSender<Notice>>,
+    mine: &AtomicU64,
     info: PushInfo,
 ) {
     match info.kind {
         PushKind::Disconnection => {
+            let epoch =
+                match mine.compare_exchange(0, u64::MAX, Ordering::AcqRel, Ordering::Acquire) {
+                    // Not installed yet: `attempt` sees the mark.
+                    Ok(_) => return,
+                    Err(epoch) => epoch,
+                };
             if let Some(shared) = shared.upgrade() {
-                // The live connection is the one that dropped, unless one is being made.
-                if let Some(live) = shared.live() {
-                    shared.dropped(live.epoch);
-                }
+                shared.dropped(epoch);
             }
         }
         PushKind::Message | PushKind::SMessage => {
@@ -602,7 +898,7 @@ impl Connection for RedisRsConnection {
         if !shared.is_connected() {
             return Err(Failure::connection(format!(
                 "not connected to {} (reconnecting)",
-                shared.info.addr()
+                shared.server()
             )));
         }
         in_tokio(shared.send(&command(name, &args), timeout, 1)).await
@@ -646,14 +942,14 @@ impl Connection for RedisRsConnection {
     }
 
     fn server(&self) -> String {
-        match self.link.shared.info.addr() {
-            ConnectionAddr::Tcp(host, port) => format!("{host}:{port}"),
-            other => other.to_string(),
-        }
+        self.link.shared.server()
     }
 
     fn user(&self) -> String {
-        let info = &self.link.shared.info;
+        let info = match &self.link.shared.source {
+            Source::Fixed(info) => info,
+            Source::Sentinel(sentinels) => &sentinels.template,
+        };
         info.redis_settings()
             .username()
             .unwrap_or("default")
@@ -770,13 +1066,14 @@ impl Subscriber for RedisRsSubscriber {
 
 #[cfg(test)]
 mod tests {
-    use super::cluster_url;
+    use super::{hosts_url, Sentinels};
 
     #[test]
     fn cluster_urls_name_their_seeds_and_credentials() {
-        let (info, seeds) = cluster_url(
+        let (info, seeds, _) = hosts_url(
             "redis",
             "app:pw@10.0.0.1:7000,10.0.0.2:7001/0?node=10.0.0.3:7002",
+            6379,
         )
         .expect("a valid URL");
         assert_eq!(
@@ -789,6 +1086,33 @@ mod tests {
         );
         assert_eq!(info.redis_settings().username(), Some("app"));
         assert_eq!(info.redis_settings().password(), Some("pw"));
-        assert!(cluster_url("redis", "10.0.0.1:x").is_err());
+        assert!(hosts_url("redis", "10.0.0.1:x", 6379).is_err());
+    }
+
+    #[test]
+    fn sentinel_urls_name_the_service_the_sentinels_and_their_credentials() {
+        let sentinels = Sentinels::of(
+            "redis",
+            "app:pw@10.0.0.1?sentinelServiceName=orders&sentinelUsername=s&sentinelPassword=t\
+             &node=10.0.0.2:26380",
+        )
+        .expect("a valid URL");
+        assert_eq!(sentinels.service, "orders");
+        assert_eq!(
+            sentinels.nodes,
+            vec![
+                ("10.0.0.1".to_owned(), 26379),
+                ("10.0.0.2".to_owned(), 26380)
+            ]
+        );
+        assert_eq!(sentinels.auth, (Some("s".to_owned()), Some("t".to_owned())));
+        assert_eq!(sentinels.template.redis_settings().username(), Some("app"));
+        let Err(missing) = Sentinels::of("redis", "10.0.0.1:26379") else {
+            panic!("a sentinel URL without a service was accepted");
+        };
+        assert!(
+            missing.to_string().contains("sentinelServiceName"),
+            "{missing}"
+        );
     }
 }
