@@ -1,7 +1,7 @@
 //! The behavioural contract of a lock, run against every backend: in memory, on a real
-//! redis-server and on a local Redis Cluster of three primaries (each through fred, and
-//! through redis-rs with the `redis-rs` feature), and as Redlock over three memory stores and
-//! over three redis-servers.
+//! redis-server and on a local Redis Cluster of three primaries, and as Redlock over three
+//! memory stores and over three redis-servers (the Redis ones through fred, and again through
+//! redis-rs with the `redis-rs` feature).
 
 mod support;
 
@@ -22,7 +22,7 @@ enum Store {
     Redis(RedisServer, Transport),
     Cluster(RedisCluster, Transport),
     RedlockMemory(Vec<MemoryBackend>),
-    RedlockRedis(Vec<RedisServer>),
+    RedlockRedis(Vec<RedisServer>, Transport),
 }
 
 /// Fresh test servers have been up for under a second: the restart guard (tested in
@@ -63,7 +63,18 @@ impl Store {
     }
 
     fn redlock_redis() -> Self {
-        Store::RedlockRedis((0..3).map(|_| RedisServer::start()).collect())
+        Store::RedlockRedis(
+            (0..3).map(|_| RedisServer::start()).collect(),
+            Transport::Fred,
+        )
+    }
+
+    #[cfg(feature = "redis-rs")]
+    fn redlock_redis_rs() -> Self {
+        Store::RedlockRedis(
+            (0..3).map(|_| RedisServer::start()).collect(),
+            Transport::RedisRs,
+        )
     }
 
     async fn backend(&self) -> Arc<dyn Backend> {
@@ -86,13 +97,17 @@ impl Store {
             Store::RedlockMemory(nodes) => {
                 Arc::new(Redlock::with_options(nodes.clone(), redlock_options()).unwrap())
             }
-            Store::RedlockRedis(servers) => {
+            Store::RedlockRedis(servers, client) => {
                 let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
                 Arc::new(
-                    Redlock::connect_with(&urls, redis_opts(), redlock_options())
-                        .await
-                        .unwrap(),
+                    Redlock::connect_with(
+                        &urls,
+                        redis_opts().transport(*client),
+                        redlock_options(),
+                    )
+                    .await
+                    .unwrap(),
                 )
             }
         }
@@ -541,6 +556,15 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::cluster_redis_rs()).await
+                }
+            )*
+        }
+        #[cfg(feature = "redis-rs")]
+        mod redlock_redis_rs {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::redlock_redis_rs()).await
                 }
             )*
         }

@@ -55,6 +55,9 @@ enum Mode {
         /// `lost()` and the validity end ignored).
         #[arg(long)]
         mutant: bool,
+        /// The workers' lock store speaks through redis-rs (`Transport::RedisRs`), not fred.
+        #[arg(long)]
+        redis_rs: bool,
         /// Keep the record files (always kept on a violation).
         #[arg(long)]
         keep: bool,
@@ -119,6 +122,7 @@ fn main() -> ExitCode {
             seed,
             faults,
             mutant,
+            redis_rs,
             keep,
             dir,
             server_prefix,
@@ -143,6 +147,7 @@ fn main() -> ExitCode {
                     seed,
                     faults: faults.clone(),
                     mutant,
+                    redis_rs,
                     dir: base.join(c.to_string()),
                     launch: Launch {
                         prefix: server_prefix.clone(),

@@ -38,6 +38,8 @@ pub struct RunSpec {
     pub faults: Vec<Fault>,
     /// Mutant workers (see `crate::workload`).
     pub mutant: bool,
+    /// The workers' lock store on redis-rs instead of fred.
+    pub redis_rs: bool,
     /// Where the record files go.
     pub dir: PathBuf,
     /// How every store server is started (the default: `RedisServer`).
@@ -168,6 +170,7 @@ pub fn run(spec: &RunSpec) -> Report {
                 until_ns,
                 tasks: spec.tasks,
                 mutant: spec.mutant,
+                redis_rs: spec.redis_rs,
             };
             Command::new(&exe)
                 .args(cfg.to_args())

@@ -27,7 +27,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redlease::{
     FencedWrite, Lock, LockGuard, LockManager, LockOptions, MultiLock, Owner, RedisBackend,
-    RedisOptions, Redlock, RedlockOptions, ReplicaAck,
+    RedisOptions, Redlock, RedlockOptions, ReplicaAck, Transport,
 };
 
 use crate::record::{instant_ns, mono_ns, FenceWrite, Kind, Recorder, Section};
@@ -82,6 +82,9 @@ pub struct WorkerConfig {
     /// Run the mutant workload (see the module docs).
     #[arg(long)]
     pub mutant: bool,
+    /// Carry the lock store's commands over redis-rs (`Transport::RedisRs`), not fred.
+    #[arg(long)]
+    pub redis_rs: bool,
 }
 
 impl WorkerConfig {
@@ -104,6 +107,9 @@ impl WorkerConfig {
         }
         if self.mutant {
             a.push("--mutant".into());
+        }
+        if self.redis_rs {
+            a.push("--redis-rs".into());
         }
         a
     }
@@ -153,6 +159,9 @@ pub async fn run(cfg: WorkerConfig) -> io::Result<WorkerStats> {
         redis = redis.replica_ack(ReplicaAck::replicas(cfg.replica_ack));
     }
     redis = redis.restart_quarantine(Duration::from_millis(cfg.restart_quarantine_ms));
+    if cfg.redis_rs {
+        redis = redis.transport(Transport::RedisRs);
+    }
     let defaults = LockOptions::new()
         .watchdog(!cfg.mutant)
         .wait_timeout(Some(WAIT));

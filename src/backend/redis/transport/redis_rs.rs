@@ -569,7 +569,7 @@ struct Shared {
     connecting: AtomicBool,
     /// Set when the backend is dropped: no more connections.
     closed: AtomicBool,
-    /// A notice per connection made after the first.
+    /// A notice per connection made.
     reconnects: broadcast::Sender<()>,
     /// Pub/sub messages are sent here (a subscriber's connection).
     messages: Option<mpsc::UnboundedSender<Notice>>,
@@ -679,9 +679,9 @@ impl Shared {
             return Err(Failure::connection("the connection dropped as it was made"));
         }
         self.changed.notify(usize::MAX);
-        if epoch > 1 {
-            let _ = self.reconnects.send(());
-        }
+        // Every connection, the first too (as fred tells it): a lazily made backend loads its
+        // scripts and reads the eviction policy then.
+        let _ = self.reconnects.send(());
         Ok(())
     }
 
