@@ -54,13 +54,14 @@ mod extend;
 mod fenced;
 mod keys;
 mod ops;
+mod options;
 mod pubsub;
 mod shards;
 mod transport;
 
 pub use acks::ReplicaAck;
-pub use connect::RedisOptions;
 pub use fenced::FencedWrite;
+pub use options::RedisOptions;
 #[cfg(feature = "tls")]
 pub use transport::TlsOptions;
 pub use transport::Transport;

@@ -33,18 +33,22 @@ pub(in crate::backend::redis) mod tls;
 /// every waiter to look again (see `pubsub.rs`), which costs a round of attempts.
 const MESSAGES_BUFFERED: usize = 1024;
 
-/// Opens what `url` names with `options` (the first connection is made by the backend).
+/// Opens what `url` names with `options` (the first connection is made by the backend);
+/// `tls`: the URL asks for TLS (checked by the backend).
 pub(in crate::backend::redis) async fn open(
     url: &str,
+    tls: bool,
     options: &RedisOptions,
     wait: bool,
 ) -> Result<Target> {
     #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
     let mut config = parse_url(url)?;
     #[cfg(feature = "tls")]
-    if super::super::connect::uses_tls(url)? {
+    if tls {
         options.tls.apply(&mut config).await?;
     }
+    #[cfg(not(feature = "tls"))]
+    let _ = tls;
     let settings = Settings::Options(options.clone());
     if config.server.is_clustered() {
         return Ok(cluster(config, settings));
