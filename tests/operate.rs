@@ -386,6 +386,48 @@ async fn inspect_counts_reentrant_holds_on_redis() {
     inspect_a_reentrant_reign(Arc::new(redis(&srv).await)).await;
 }
 
+/// `held` (of `locks`, on `name`) is released and another process (`elsewhere`) takes the
+/// lock with a larger fencing token; then a waiter of `locks`, once `numsub` (the server's
+/// `PUBSUB NUMSUB` of the lock's release channel) counts it, is woken by that process's
+/// release well before the 5 s lease would have run out.
+async fn hand_over_and_back(
+    locks: &LockManager,
+    elsewhere: &LockManager,
+    name: &str,
+    held: redlease::LockGuard,
+    numsub: impl Fn() -> support::Resp,
+) {
+    let fence = held.fencing_token();
+    assert_eq!(held.release().await.unwrap(), 0);
+    let theirs = elsewhere
+        .lock(name)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(theirs.fencing_token() > fence);
+    let waiter = {
+        let lock = locks.lock(name);
+        tokio::spawn(async move { lock.acquire().await })
+    };
+    let waiting = support::wait_for_async(SOON, || {
+        numsub()
+            .as_array()
+            .and_then(|a| a.get(1).and_then(|n| n.as_int()))
+            == Some(1)
+    })
+    .await;
+    assert!(waiting, "the waiter never subscribed");
+    theirs.release().await.unwrap();
+    // Woken, not a re-check at the lease's expiry.
+    let mine = tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect("the waiter was woken by the release")
+        .unwrap()
+        .unwrap();
+    mine.release().await.unwrap();
+}
+
 /// `RedisBackend::from_client`: locks over a fred client the application made (its own
 /// reconnect policy and timeout) and connected itself. Locks exclude another process, a
 /// waiter on the application's client is woken by a release (the subscriber connection is
@@ -437,37 +479,10 @@ async fn from_client_serves_locks_beside_the_applications_own_commands() {
         srv.cmd(&["GET", "app:greeting"]).as_str().as_deref(),
         Some("hello")
     );
-    let fence = held.fencing_token();
-    assert_eq!(held.release().await.unwrap(), 0);
-    let theirs = elsewhere
-        .lock("shared-client")
-        .try_acquire()
-        .await
-        .unwrap()
-        .expect("released");
-    assert!(theirs.fencing_token() > fence);
-
-    // A waiter on the application's client, woken by the other process's release.
-    let waiter = {
-        let lock = locks.lock("shared-client");
-        tokio::spawn(async move { lock.acquire().await })
-    };
-    let waiting = support::wait_for_async(SOON, || {
+    hand_over_and_back(&locks, &elsewhere, "shared-client", held, || {
         srv.cmd(&["PUBSUB", "NUMSUB", "redlease:{shared-client}:released"])
-            .as_array()
-            .and_then(|a| a.get(1).and_then(|n| n.as_int()))
-            == Some(1)
     })
     .await;
-    assert!(waiting, "the waiter never subscribed");
-    theirs.release().await.unwrap();
-    // Well before the 5 s lease would have run out: woken, not a re-check at expiry.
-    let mine = tokio::time::timeout(Duration::from_secs(2), waiter)
-        .await
-        .expect("the waiter was woken by the release")
-        .unwrap()
-        .unwrap();
-    mine.release().await.unwrap();
     // The client is still the application's to use.
     let n: i64 = client.incr("app:counter").await.unwrap();
     assert_eq!(n, 1);
@@ -530,40 +545,13 @@ async fn from_redis_client_serves_locks_in_the_client_s_database_with_its_creden
         .query_async(&mut app)
         .await
         .unwrap();
-    let fence = held.fencing_token();
-    held.release().await.unwrap();
-    let theirs = elsewhere
-        .lock("redis-rs")
-        .try_acquire()
-        .await
-        .unwrap()
-        .expect("released");
-    assert!(theirs.fencing_token() > fence);
-
-    // A waiter on the redis-rs backend, woken by the other process's release.
-    let waiter = {
-        let lock = locks.lock("redis-rs");
-        tokio::spawn(async move { lock.acquire().await })
-    };
-    let waiting = support::wait_for_async(SOON, || {
+    hand_over_and_back(&locks, &elsewhere, "redis-rs", held, || {
         let mut conn = srv.connect();
         conn.cmd(&["AUTH", "pw"]).unwrap();
         conn.cmd(&["PUBSUB", "NUMSUB", "redlease:{redis-rs}:released"])
             .unwrap()
-            .as_array()
-            .and_then(|a| a.get(1).and_then(|n| n.as_int()))
-            == Some(1)
     })
     .await;
-    assert!(waiting, "the waiter never subscribed");
-    theirs.release().await.unwrap();
-    // Well before the 5 s lease would have run out: woken, not a re-check at expiry.
-    let mine = tokio::time::timeout(Duration::from_secs(2), waiter)
-        .await
-        .expect("the waiter was woken by the release")
-        .unwrap()
-        .unwrap();
-    mine.release().await.unwrap();
     let greeting: Option<String> = redis::cmd("GET")
         .arg("app:greeting")
         .query_async(&mut app)
