@@ -150,7 +150,9 @@ impl TlsOptions {
     }
 
     /// Checks the server's certificate against `name` (a DNS name or an IP address), and
-    /// sends it as SNI, instead of the URL's host; on a Redis Cluster, for every node.
+    /// sends it as SNI, instead of the URL's host; on a Redis Cluster, for every node. On
+    /// the redis-rs transport it is refused at connect with
+    /// [`Error::Unsupported`](crate::Error::Unsupported): redis-rs checks the URL's host only.
     ///
     /// ```
     /// let tls = redlease::TlsOptions::new().server_name("redis.internal");
