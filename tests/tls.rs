@@ -84,6 +84,20 @@ impl Pki {
         (cert, key)
     }
 
+    /// A client certificate signed by the CA, as `trust` plus its files and plus its PEM
+    /// text.
+    fn client_identity(&self, trust: &TlsOptions) -> (TlsOptions, TlsOptions) {
+        let (cert, key) = self.issue(
+            "client",
+            &["client.test"],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let files = trust
+            .clone()
+            .identity_files(self.path("client.crt"), self.path("client.key"));
+        (files, trust.clone().identity_pem(cert, key))
+    }
+
     /// A redis-server whose only port speaks TLS, with a certificate for `names`; with
     /// `auth_clients`, it requires a client certificate signed by the CA.
     fn server(&self, names: &[&str], auth_clients: bool) -> RedisServer {
@@ -202,21 +216,13 @@ async fn mutual_tls_needs_the_client_identity() {
     );
     assert!(elapsed < timeout, "took {elapsed:?}: not a hang");
 
-    let (cert, key) = pki.issue(
-        "client",
-        &["client.test"],
-        ExtendedKeyUsagePurpose::ClientAuth,
-    );
-    let files = trust
-        .clone()
-        .identity_files(pki.path("client.crt"), pki.path("client.key"));
+    let (files, text) = pki.client_identity(&trust);
     round_trip(
         connect(&url(&srv), RedisOptions::new().tls(files))
             .await
             .unwrap(),
     )
     .await;
-    let text = trust.identity_pem(cert, key);
     round_trip(
         connect(&url(&srv), RedisOptions::new().tls(text))
             .await
@@ -374,18 +380,10 @@ async fn redis_rs_speaks_tls_with_a_private_ca_and_a_client_certificate() {
         "a client without a certificate was let in"
     );
 
-    let (cert, key) = pki.issue(
-        "client",
-        &["client.test"],
-        ExtendedKeyUsagePurpose::ClientAuth,
-    );
-    let files = trust
-        .clone()
-        .identity_files(pki.path("client.crt"), pki.path("client.key"));
+    let (files, text) = pki.client_identity(&trust);
     let backend = connect(&url(&srv), on_redis_rs().tls(files)).await.unwrap();
     assert!(backend.client().is_none(), "redis-rs carries it");
     round_trip(backend).await;
-    let text = trust.clone().identity_pem(cert, key);
     round_trip(connect(&url(&srv), on_redis_rs().tls(text)).await.unwrap()).await;
 
     let named = trust.server_name("redis.test");

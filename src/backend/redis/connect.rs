@@ -109,18 +109,28 @@ impl RedisBackend {
                  be encrypted",
             ));
         }
-        let quarantine = options.restart_quarantine;
-        let checks = Checks {
-            allow_eviction: options.allow_eviction,
-            ack: options.replica_ack,
-        };
         let target = match options.transport {
             Transport::Fred => transport::fred::open(url, tls, &options, wait).await?,
             #[cfg(feature = "redis-rs")]
             Transport::RedisRs => transport::redis_rs::open(url, &options, wait).await?,
         };
-        let backend = Self::of_target(target, checks, wait).await?;
-        backend.with_restart_quarantine(quarantine)
+        Self::with_options_over(target, &options, wait).await
+    }
+
+    /// The backend over what a client opened, with `options`' checks (eviction policy,
+    /// replica acknowledgement) and restart quarantine.
+    pub(super) async fn with_options_over(
+        target: Target,
+        options: &RedisOptions,
+        wait: bool,
+    ) -> Result<Self> {
+        let checks = Checks {
+            allow_eviction: options.allow_eviction,
+            ack: options.replica_ack,
+        };
+        Self::of_target(target, checks, wait)
+            .await?
+            .with_restart_quarantine(options.restart_quarantine)
     }
 
     /// The backend over what a client opened: one server, or a cluster (one connection per

@@ -39,7 +39,7 @@ use redis::{
 use tokio::sync::{broadcast, mpsc};
 
 use super::{Connection, Connector, Failure, Node, Notice, Said, Subscriber, Target, Value};
-use crate::backend::redis::{Checks, RedisBackend, RedisOptions};
+use crate::backend::redis::{RedisBackend, RedisOptions};
 use crate::error::{Error, Result};
 use crate::runtime::in_tokio;
 
@@ -188,14 +188,7 @@ impl RedisBackend {
         } else {
             Target::Single(node(Source::Fixed(Box::new(info)), &settings))
         };
-        let checks = Checks {
-            allow_eviction: options.allow_eviction,
-            ack: options.replica_ack,
-        };
-        let quarantine = options.restart_quarantine;
-        RedisBackend::of_target(target, checks, true)
-            .await?
-            .with_restart_quarantine(quarantine)
+        RedisBackend::with_options_over(target, &options, true).await
     }
 }
 
@@ -377,19 +370,13 @@ impl Sentinels {
 
 /// Where a connection goes: one server, or the primary that sentinels name (asked again at
 /// every connection).
+#[derive(Clone)]
 enum Source {
     Fixed(Box<ConnectionInfo>),
     Sentinel(Arc<Sentinels>),
 }
 
 impl Source {
-    fn clone_ref(&self) -> Source {
-        match self {
-            Source::Fixed(info) => Source::Fixed(info.clone()),
-            Source::Sentinel(s) => Source::Sentinel(s.clone()),
-        }
-    }
-
     /// The address named in messages, before a connection says where it went.
     fn named(&self) -> String {
         match self {
@@ -430,7 +417,7 @@ fn node(source: Source, settings: &Settings) -> Node {
     let (messages, received) = mpsc::unbounded_channel();
     Node {
         connection: Arc::new(RedisRsConnection {
-            link: Supervised::new(source.clone_ref(), *settings, None),
+            link: Supervised::new(source.clone(), *settings, None),
         }),
         subscriber: Arc::new(RedisRsSubscriber {
             link: Supervised::new(source, *settings, Some(messages)),
@@ -549,10 +536,6 @@ struct Live {
 
 /// A connection kept up: made again, in the background, whenever it drops.
 struct Supervised {
-    shared: Arc<Shared>,
-}
-
-struct Shared {
     source: Source,
     /// The server's address (behind Sentinel: the primary last reached).
     server: Mutex<String>,
@@ -580,27 +563,28 @@ impl Supervised {
         source: Source,
         settings: Settings,
         messages: Option<mpsc::UnboundedSender<Notice>>,
-    ) -> Self {
+    ) -> Arc<Self> {
         let (reconnects, _) = broadcast::channel(16);
-        Supervised {
-            shared: Arc::new(Shared {
-                server: Mutex::new(source.named()),
-                source,
-                settings,
-                live: Mutex::new(None),
-                id: AtomicI64::new(-1),
-                epochs: AtomicU64::new(0),
-                changed: Event::new(),
-                connecting: AtomicBool::new(false),
-                closed: AtomicBool::new(false),
-                reconnects,
-                messages,
-            }),
-        }
+        Arc::new(Supervised {
+            server: Mutex::new(source.named()),
+            source,
+            settings,
+            live: Mutex::new(None),
+            id: AtomicI64::new(-1),
+            epochs: AtomicU64::new(0),
+            changed: Event::new(),
+            connecting: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            reconnects,
+            messages,
+        })
     }
-}
 
-impl Shared {
+    /// No more connections: the backend is dropped.
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        *self.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
     fn live(&self) -> Option<Live> {
         self.live.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -818,7 +802,7 @@ impl Shared {
 /// A push from the server or redis-rs: a dropped socket has the connection made again; a
 /// message goes to the subscriber.
 fn on_push(
-    shared: &Weak<Shared>,
+    shared: &Weak<Supervised>,
     messages: Option<&mpsc::UnboundedSender<Notice>>,
     mine: &AtomicU64,
     info: PushInfo,
@@ -860,7 +844,7 @@ fn notices(rx: broadcast::Receiver<()>) -> BoxStream<'static, ()> {
 
 /// The command connection to one server.
 struct RedisRsConnection {
-    link: Supervised,
+    link: Arc<Supervised>,
 }
 
 impl Drop for RedisRsConnection {
@@ -877,13 +861,13 @@ impl Connection for RedisRsConnection {
         for arg in args {
             push(&mut cmd, arg);
         }
-        let shared = &self.link.shared;
+        let shared = &self.link;
         let (timeout, attempts) = (shared.settings.command_timeout, shared.settings.attempts);
         in_tokio(shared.send(&cmd, timeout, attempts)).await
     }
 
     async fn command(&self, name: &'static str, args: Vec<Value>) -> Said<Value> {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         let (timeout, attempts) = (shared.settings.command_timeout, shared.settings.attempts);
         in_tokio(shared.send(&command(name, &args), timeout, attempts)).await
     }
@@ -894,7 +878,7 @@ impl Connection for RedisRsConnection {
         args: Vec<Value>,
         timeout: Duration,
     ) -> Said<Value> {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         if !shared.is_connected() {
             return Err(Failure::connection(format!(
                 "not connected to {} (reconnecting)",
@@ -905,7 +889,7 @@ impl Connection for RedisRsConnection {
     }
 
     async fn connect(&self) -> Result<()> {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         if shared.is_connected() {
             return Ok(());
         }
@@ -916,11 +900,11 @@ impl Connection for RedisRsConnection {
     }
 
     async fn connect_lazily(&self) {
-        self.link.shared.reconnect_soon();
+        self.link.reconnect_soon();
     }
 
     async fn ready(&self) -> bool {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         loop {
             let changed = shared.changed.listen();
             if shared.is_connected() {
@@ -932,21 +916,21 @@ impl Connection for RedisRsConnection {
     }
 
     fn is_connected(&self) -> bool {
-        self.link.shared.is_connected()
+        self.link.is_connected()
     }
 
     fn identity(&self) -> Option<(String, i64)> {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         let id = shared.id.load(Ordering::Acquire);
         (id >= 0 && shared.is_connected()).then(|| (self.server(), id))
     }
 
     fn server(&self) -> String {
-        self.link.shared.server()
+        self.link.server()
     }
 
     fn user(&self) -> String {
-        let info = match &self.link.shared.source {
+        let info = match &self.link.source {
             Source::Fixed(info) => info,
             Source::Sentinel(sentinels) => &sentinels.template,
         };
@@ -957,24 +941,22 @@ impl Connection for RedisRsConnection {
     }
 
     fn command_timeout(&self) -> Duration {
-        self.link.shared.settings.command_timeout
+        self.link.settings.command_timeout
     }
 
     fn reconnects(&self) -> BoxStream<'static, ()> {
-        notices(self.link.shared.reconnects.subscribe())
+        notices(self.link.reconnects.subscribe())
     }
 
     fn reconnect(&self) {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         if let Some(live) = shared.live() {
             shared.dropped(live.epoch);
         }
     }
 
     fn quit(&self) {
-        let shared = &self.link.shared;
-        shared.closed.store(true, Ordering::Release);
-        *shared.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.link.close();
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -984,7 +966,7 @@ impl Connection for RedisRsConnection {
 
 /// The pub/sub connection to one server.
 struct RedisRsSubscriber {
-    link: Supervised,
+    link: Arc<Supervised>,
     /// The messages, until [`start`](Subscriber::start) takes them.
     received: Mutex<Option<mpsc::UnboundedReceiver<Notice>>>,
 }
@@ -998,7 +980,7 @@ impl Drop for RedisRsSubscriber {
 #[async_trait]
 impl Subscriber for RedisRsSubscriber {
     async fn start(&self) -> Result<(BoxStream<'static, Notice>, BoxStream<'static, ()>)> {
-        let shared = &self.link.shared;
+        let shared = &self.link;
         let reconnects = notices(shared.reconnects.subscribe());
         if !shared.is_connected() {
             in_tokio(shared.attempt()).await.map_err(Error::backend)?;
@@ -1021,7 +1003,7 @@ impl Subscriber for RedisRsSubscriber {
     /// is no error here: the backend's check finds it.
     async fn subscribe(&self, channels: Vec<String>, sharded: bool) -> Said<()> {
         let name = if sharded { "SSUBSCRIBE" } else { "SUBSCRIBE" };
-        let shared = &self.link.shared;
+        let shared = &self.link;
         let timeout = shared.settings.command_timeout;
         let each = channels.into_iter().map(|c| {
             let cmd = command(name, &[Value::from(c)]);
@@ -1041,7 +1023,7 @@ impl Subscriber for RedisRsSubscriber {
         } else {
             "UNSUBSCRIBE"
         };
-        let shared = &self.link.shared;
+        let shared = &self.link;
         let cmd = command(name, &[Value::from(channel)]);
         in_tokio(shared.send(&cmd, shared.settings.command_timeout, 1))
             .await
@@ -1049,18 +1031,16 @@ impl Subscriber for RedisRsSubscriber {
     }
 
     fn connection_id(&self) -> Option<i64> {
-        let id = self.link.shared.id.load(Ordering::Acquire);
+        let id = self.link.id.load(Ordering::Acquire);
         (id >= 0).then_some(id)
     }
 
     fn is_connected(&self) -> bool {
-        self.link.shared.is_connected()
+        self.link.is_connected()
     }
 
     fn quit(&self) {
-        let shared = &self.link.shared;
-        shared.closed.store(true, Ordering::Release);
-        *shared.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.link.close();
     }
 }
 
