@@ -494,6 +494,18 @@ impl RedisServer {
             .unwrap_or(0)
     }
 
+    /// Calls of command `name` the server refused before running them (a `MOVED`
+    /// redirection, an ACL), from `INFO commandstats` (`rejected_calls`).
+    pub fn rejected_calls(&self, name: &str) -> u64 {
+        self.info_field("commandstats", &format!("cmdstat_{name}"))
+            .and_then(|s| {
+                s.split(',')
+                    .find_map(|kv| kv.strip_prefix("rejected_calls="))
+                    .and_then(|n| n.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
     /// `total_commands_processed` from `INFO stats`. The harness's own commands
     /// count too: each `total_commands()` call adds 1 (its INFO, counted after
     /// it replies), plus 1 for AUTH when harness auth is configured.

@@ -45,10 +45,6 @@ pub(super) struct PubSub {
     /// connection has (`CLIENT LIST` needs the `@admin` category): [`verify`](Self::verify)
     /// then does nothing.
     verifiable: AtomicBool,
-    /// The counts (channels with waiters here, channels the node has) at which subscribing
-    /// again last brought nothing back (channels the node no longer serves, whose waiters
-    /// the slot table moves): [`verify`](Self::verify) does not try again until they change.
-    stuck: Mutex<Option<(usize, usize)>>,
     /// A [`verify`](Self::verify) runs: another returns at once.
     verifying: AtomicBool,
 }
@@ -122,7 +118,6 @@ impl PubSub {
             channels: Arc::default(),
             by_message: AtomicBool::new(true),
             verifiable: AtomicBool::new(true),
-            stuck: Mutex::new(None),
             verifying: AtomicBool::new(false),
         }
     }
@@ -323,28 +318,31 @@ impl PubSub {
     }
 
     /// On a cluster node: checks that the node still has every shard channel that waiters
-    /// here listen to, and subscribes again if not. Redis ends the shard channels of a slot
-    /// that leaves the node (a client may drop the notice); a slot that leaves and comes back between
+    /// here listen to and whose slot the cluster's slot table puts on this node (`serves`),
+    /// and subscribes them again if not. Redis ends the shard channels of a slot that leaves
+    /// the node (a client may drop the notice); a slot that leaves and comes back between
     /// two looks at the slot table changes nothing in the table, and its waiters would hear
     /// nothing more. The count the node keeps for the subscriber connection (`CLIENT LIST
-    /// ID`, field `ssub`) is compared with the channels that have waiters here; when it is
-    /// lower, every such channel is subscribed again (a SSUBSCRIBE of a channel the
-    /// connection has already changes nothing), and if that brought any back, every waiter
-    /// here looks again (a release may have come meanwhile). A channel the node no longer
-    /// serves is refused again (`MOVED`): its waiters are moved by the slot table.
-    pub(super) async fn verify(&self) {
+    /// ID`, field `ssub`) is compared with those channels; when it is lower, each of them is
+    /// subscribed again (a SSUBSCRIBE of a channel the connection has already changes
+    /// nothing), and if that brought any back, every waiter here looks again (a release may
+    /// have come meanwhile). Channels whose slot the table puts elsewhere are left to the
+    /// table, which moves their waiters. Nothing is remembered between checks: a channel
+    /// refused `MOVED` (its slot was away at that moment, or the table was behind) is tried
+    /// again at the next one, so a slot that comes back is found there.
+    pub(super) async fn verify(&self, serves: impl Fn(&str) -> bool + Send + Sync) {
         if !self.clustered
             || !self.verifiable.load(Ordering::Acquire)
             || self.verifying.swap(true, Ordering::AcqRel)
         {
             return;
         }
-        self.verify_once().await;
+        self.verify_once(&serves).await;
         self.verifying.store(false, Ordering::Release);
     }
 
     /// [`verify`](Self::verify), one at a time.
-    async fn verify_once(&self) {
+    async fn verify_once(&self, serves: &(dyn Fn(&str) -> bool + Send + Sync)) {
         // No SSUBSCRIBE of ours is in flight meanwhile (a SUNSUBSCRIBE may be: the node then
         // counts one more, and a loss is found at the next call).
         let started = self.ops.lock().await;
@@ -353,7 +351,7 @@ impl PubSub {
         }
         let listened: Vec<String> = lock_map(&self.channels)
             .iter()
-            .filter(|(_, c)| c.subscribers > 0)
+            .filter(|(name, c)| c.subscribers > 0 && serves(name))
             .map(|(name, _)| name.clone())
             .collect();
         if listened.is_empty() {
@@ -362,8 +360,7 @@ impl PubSub {
         let Some(before) = self.shard_channels().await else {
             return;
         };
-        let counts = Some((listened.len(), before));
-        if before >= listened.len() || self.stuck() == counts {
+        if before >= listened.len() {
             return;
         }
         for channel in listened {
@@ -373,8 +370,6 @@ impl PubSub {
         }
         let after = self.shard_channels().await;
         drop(started);
-        *self.stuck.lock().unwrap_or_else(|p| p.into_inner()) =
-            counts.filter(|_| after == Some(before));
         if after.is_some_and(|after| after > before) {
             tracing::debug!(
                 before,
@@ -383,11 +378,6 @@ impl PubSub {
             );
             wake_all(&self.channels);
         }
-    }
-
-    /// See [`stuck`](Self::stuck) (the field).
-    fn stuck(&self) -> Option<(usize, usize)> {
-        *self.stuck.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// How many shard channels the node counts for the subscriber connection (`CLIENT LIST

@@ -329,10 +329,20 @@ impl Shards {
                 // A slot that left a node and came back since the last look changed nothing
                 // in the table, but ended its subscriptions there: each node checks its own,
                 // in a task of its own (a node that does not answer holds up only itself).
-                let nodes: Vec<RedisBackend> = lock(&this.nodes).values().cloned().collect();
-                for node in nodes {
+                let nodes: Vec<(String, RedisBackend)> = lock(&this.nodes)
+                    .iter()
+                    .map(|(addr, node)| (addr.clone(), node.clone()))
+                    .collect();
+                for (addr, node) in nodes {
                     let pubsub = node.inner.pubsub.clone();
-                    crate::runtime::background().spawn(async move { pubsub.verify().await });
+                    // Weakly too: a dropped backend is not kept by a check under way.
+                    let table = Arc::downgrade(&this);
+                    let serves = move |channel: &str| {
+                        table
+                            .upgrade()
+                            .is_some_and(|t| t.owner(channel).is_ok_and(|a| a == addr))
+                    };
+                    crate::runtime::background().spawn(async move { pubsub.verify(serves).await });
                 }
             }
         });
