@@ -165,6 +165,8 @@ pub mod futures {
     pub use crate::guard::Lost;
 }
 
+#[cfg(feature = "etcd")]
+pub use backend::{EtcdBackend, EtcdOptions};
 #[cfg(feature = "tls")]
 pub use backend::TlsOptions;
 pub use backend::{
