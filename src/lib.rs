@@ -165,14 +165,14 @@ pub mod futures {
     pub use crate::guard::Lost;
 }
 
-#[cfg(feature = "etcd")]
-pub use backend::{EtcdBackend, EtcdOptions};
 #[cfg(feature = "tls")]
 pub use backend::TlsOptions;
 pub use backend::{
     Backend, FencedWrite, MemoryBackend, RedisBackend, RedisOptions, Redlock, RedlockOptions,
     ReplicaAck, Transport,
 };
+#[cfg(feature = "etcd")]
+pub use backend::{EtcdBackend, EtcdOptions};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`](backend::Subscription), re-exported for
 /// backend authors.

@@ -94,8 +94,8 @@ use futures::channel::{mpsc, oneshot};
 use futures::future::BoxFuture;
 
 use crate::backend::{
-    clock_drift, Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Extended, Grant,
-    Lease, NodeTerms, Refused, Release, Subscription, Unavailable,
+    clock_drift, Acquire, Attempt, Backend, Capabilities, Claim, ClaimKind, Extended, Grant, Lease,
+    NodeTerms, Refused, Release, Subscription, Unavailable,
 };
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
@@ -579,7 +579,9 @@ impl EtcdBackend {
         if l.ops % 1024 == 0 {
             l.by_token
                 .retain(|_, (_, at)| now.saturating_duration_since(*at) < FORGET_AFTER);
-            let Leases { by_token, granted, .. } = &mut *l;
+            let Leases {
+                by_token, granted, ..
+            } = &mut *l;
             granted.retain(|id, _| by_token.values().any(|(ids, _)| ids.contains(id)));
         }
         l.granted.insert(id, resp.ttl());
@@ -794,7 +796,10 @@ impl EtcdBackend {
             }
             break read_acquire(&resp, layer)?;
         };
-        if let Some(kv) = kv.as_ref().filter(|kv| kv.value() == token.as_str().as_bytes()) {
+        if let Some(kv) = kv
+            .as_ref()
+            .filter(|kv| kv.value() == token.as_str().as_bytes())
+        {
             let fence = epoch.saturating_add(u64::try_from(kv.create_revision()).unwrap_or(0));
             let held_on = kv.lease();
             if !granted {
@@ -818,13 +823,10 @@ impl EtcdBackend {
         };
         let others = self.keep_only(token, registered.then_some(lease));
         self.revoke_later(others);
-        let remaining = match kv {
-            // Held: re-check at the fallback interval at the latest (a release, or the
-            // lease running out, wakes the waiter before that).
-            Some(_) => Some(attempt.recheck().unwrap_or(Duration::ZERO)),
-            // Free, yet refused: registered waiters go first (or the fair queue's head).
-            None => None,
-        };
+        // Held: re-check at the fallback interval at the latest (a release, or the lease
+        // running out, wakes the waiter before that). Free, yet refused (`None`): registered
+        // waiters go first, or the fair queue's head.
+        let remaining = kv.map(|_| attempt.recheck().unwrap_or(Duration::ZERO));
         Ok(Acquire::Held { remaining })
     }
 
@@ -861,9 +863,7 @@ impl EtcdBackend {
                 ]);
             let resp = self.txn("fair enqueue", txn).await?;
             let ops = resp.op_responses();
-            ops.get(1)
-                .and_then(first_kv)
-                .map(KeyValue::create_revision)
+            ops.get(1).and_then(first_kv).map(KeyValue::create_revision)
         } else {
             None
         };
@@ -875,8 +875,7 @@ impl EtcdBackend {
         if let Some(rev) = mine {
             // At the head: every entry of the queue (this one included) came at or after it.
             when.push(
-                Compare::create_revision(queue.clone(), CompareOp::Greater, rev - 1)
-                    .with_prefix(),
+                Compare::create_revision(queue.clone(), CompareOp::Greater, rev - 1).with_prefix(),
             );
         }
         let mut then = vec![TxnOp::put(
@@ -937,13 +936,17 @@ impl EtcdBackend {
                 els.push(TxnOp::get(self.tomb_key(token), None));
             }
             let txn = Txn::new()
-                .when([Compare::value(lock.clone(), CompareOp::Equal, token.as_str())])
+                .when([Compare::value(
+                    lock.clone(),
+                    CompareOp::Equal,
+                    token.as_str(),
+                )])
                 .and_then(then)
                 .or_else(els);
             let mut c = self.client();
             let timeout = self.inner.opts.timeout;
-            let sent = in_tokio(async move { tokio::time::timeout(timeout, c.txn(txn)).await })
-                .await;
+            let sent =
+                in_tokio(async move { tokio::time::timeout(timeout, c.txn(txn)).await }).await;
             let resp = match sent {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) if lease_not_found(&e) && !fresh => {
@@ -1007,12 +1010,7 @@ impl EtcdBackend {
     }
 
     /// Keeps the lease of one held lock alive (or moves the lock to a longer lease).
-    async fn extend_one(
-        &self,
-        l: &Lease<'_>,
-        id: i64,
-        label: Option<Vec<u8>>,
-    ) -> Result<Extended> {
+    async fn extend_one(&self, l: &Lease<'_>, id: i64, label: Option<Vec<u8>>) -> Result<Extended> {
         let want = lease_secs(l.ttl);
         let Some(granted) = self.keep_alive(id).await? else {
             return Ok(Extended::Gone);
