@@ -58,10 +58,12 @@ async fn restart_keeps_the_holder_and_wakes_the_waiter() {
     let b = LockManager::with_options(watching.clone(), opts().retry(slow_fallback())).unwrap();
     let held = a.lock("k").acquire().await.unwrap();
     let fence = held.fencing_token();
-    // A subscription made before the restart, listened to after it: its watch must have
-    // been re-created (the waiter below also re-checks every second, which would hide it).
+    // A subscription (of its own lock: one release wakes one local subscriber) made before
+    // the restart, listened to after it: its watch must have been re-created (the waiter
+    // below also re-checks every second, which would hide a lost watch).
+    let other = a.lock("j").acquire().await.unwrap();
     let sub = watching
-        .subscribe(&claim("k", Duration::from_secs(5)))
+        .subscribe(&claim("j", Duration::from_secs(5)))
         .await
         .unwrap();
     let disturbed = watching.disturbed();
@@ -83,8 +85,9 @@ async fn restart_keeps_the_holder_and_wakes_the_waiter() {
     assert!(!waiter.is_finished(), "the waiter took a held lock");
     within("disturbed() after the restart", disturbed).await;
     let woken = sub.listen();
-    held.release().await.unwrap();
+    other.release().await.unwrap();
     within("the subscription's wake-up", woken).await;
+    held.release().await.unwrap();
     let next = within("the waiter's hand-off", waiter)
         .await
         .unwrap()
@@ -155,12 +158,13 @@ async fn a_cut_watch_stream_is_reopened() {
         .unwrap();
     let disturbed = backend.disturbed();
     let sub = backend
-        .subscribe(&claim("k", Duration::from_secs(5)))
+        .subscribe(&claim("j", Duration::from_secs(5)))
         .await
         .unwrap();
     let a = manager(&srv, opts()).await;
     let b = LockManager::with_options(backend, opts().retry(slow_fallback())).unwrap();
     let held = a.lock("k").acquire().await.unwrap();
+    let other = a.lock("j").acquire().await.unwrap();
     let waiting = b.lock("k");
     let waiter =
         tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(30)).await });
@@ -170,8 +174,9 @@ async fn a_cut_watch_stream_is_reopened() {
     // Listened to after the stream came back: only a re-created watch wakes it (the waiter
     // also re-checks every second, which would hide a lost watch).
     let woken = sub.listen();
-    held.release().await.unwrap();
+    other.release().await.unwrap();
     within("the subscription's wake-up", woken).await;
+    held.release().await.unwrap();
     within("the waiter's hand-off", waiter)
         .await
         .unwrap()

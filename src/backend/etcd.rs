@@ -108,6 +108,9 @@ mod watch;
 /// of it: a new one is granted when the current one is half spent.
 const TOMB_TTL: i64 = 300;
 
+/// How often the connection is pinged (HTTP/2), for [`EtcdBackend::connect`]'s own client.
+const KEEP_ALIVE: Duration = Duration::from_secs(10);
+
 /// Leases per extend transaction: two reads each, under etcd's 128 operations.
 const EXTEND_CHUNK: usize = 64;
 
@@ -226,6 +229,43 @@ struct Inner {
     tomb: futures::lock::Mutex<Option<(i64, Instant)>>,
     watch: mpsc::UnboundedSender<watch::Cmd>,
     disturbance: Arc<Event>,
+    /// This process's fair waiters, by lock key.
+    fair: Arc<Mutex<FairWaiters>>,
+}
+
+/// The fair waiters of this process: a release wakes, per key, the one nearest the head of
+/// the queue (the head, if it is here), not all of them.
+#[derive(Default)]
+struct FairWaiters {
+    /// Each waiting subscription's token and wake-up, by lock key.
+    by_key: HashMap<Vec<u8>, Vec<(Token, std::sync::Weak<Event>)>>,
+    /// Each queued token's place (its key's create revision).
+    places: HashMap<Token, i64>,
+}
+
+impl FairWaiters {
+    /// Wakes the waiter of `key` nearest the head (and those whose place is not known yet),
+    /// or every one.
+    fn wake(&mut self, key: &[u8], all: bool) {
+        let Some(list) = self.by_key.get_mut(key) else {
+            return;
+        };
+        list.retain(|(_, e)| e.strong_count() > 0);
+        let places = &self.places;
+        let nearest = list
+            .iter()
+            .filter_map(|(t, _)| places.get(t))
+            .min()
+            .copied();
+        for (t, e) in list.iter() {
+            let place = places.get(t).copied();
+            if all || place.is_none() || place == nearest {
+                if let Some(e) = e.upgrade() {
+                    e.notify(usize::MAX);
+                }
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -408,11 +448,14 @@ impl EtcdBackend {
     pub async fn connect_with(url: &str, options: EtcdOptions) -> Result<Self> {
         options.check()?;
         let eps = endpoints(url)?;
+        // HTTP/2 pings find a connection that died silently; not more often than etcd allows
+        // (`--grpc-keepalive-min-time`, 5 s by default), and only while a stream is open (the
+        // watch stream always is): etcd answers pings on an idle connection, or more frequent
+        // ones, with GOAWAY "too many pings".
         let copts = ConnectOptions::new()
             .with_timeout(options.timeout)
             .with_connect_timeout(options.connect_timeout)
-            .with_keep_alive(options.heartbeat, options.timeout)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive(KEEP_ALIVE, options.timeout);
         let bound = options.connect_timeout + options.timeout;
         let connected = in_tokio(async move {
             tokio::time::timeout(bound, Client::connect(eps, Some(copts))).await
@@ -486,6 +529,7 @@ impl EtcdBackend {
             tomb: futures::lock::Mutex::new(None),
             watch: tx,
             disturbance,
+            fair: Arc::new(Mutex::new(FairWaiters::default())),
         })
     }
 
@@ -559,6 +603,10 @@ impl EtcdBackend {
         if let Some(rev) = rev {
             self.inner.max_rev.fetch_max(rev, Ordering::Relaxed);
         }
+    }
+
+    fn fair(&self) -> MutexGuard<'_, FairWaiters> {
+        self.inner.fair.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn leases(&self) -> MutexGuard<'_, Leases> {
@@ -738,7 +786,16 @@ impl EtcdBackend {
         then.push(TxnOp::get(lock.clone(), None));
         let mut els = vec![TxnOp::get(lock.clone(), None)];
         if matches!(attempt, Attempt::Waiting { .. }) {
-            els.push(TxnOp::put(waiter, "", with_lease()));
+            // Registered unless abandoned (a late attempt of an abandoned claim).
+            els.push(TxnOp::txn(
+                Txn::new()
+                    .when([Compare::create_revision(
+                        self.bar_key(token),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then([TxnOp::put(waiter, "", with_lease())]),
+            ));
         }
         let grant = Txn::new().when(when).and_then(then).or_else(els);
         let arriving = matches!(attempt, Attempt::Arriving { .. });
@@ -767,18 +824,25 @@ impl EtcdBackend {
     async fn acquire_plain(&self, claim: &Claim, attempt: Attempt) -> Result<Acquire> {
         let token = &claim.token;
         let fair = claim.kind == ClaimKind::Fair;
-        // A fair waiter's place is on the attempt's lease: it lasts until the waiter's next
-        // attempt at least.
-        let ttl = match (fair, attempt.keep_waiter()) {
-            (true, Some(keep)) => claim.ttl.max(keep),
-            _ => claim.ttl,
+        // A fair waiter's place in the queue is on a lease of its own, of the time the
+        // store keeps a waiter that stops coming back (`keep_waiter`, rounded up to etcd's
+        // seconds): a crashed waiter leaves the queue then.
+        let (lease, place) = match attempt.keep_waiter().filter(|_| fair) {
+            Some(keep) => {
+                let (lease, place) = futures::future::join(
+                    self.grant_for(token, claim.ttl),
+                    self.grant_for(token, keep),
+                )
+                .await;
+                (lease?, Some(place?))
+            }
+            None => (self.grant_for(token, claim.ttl).await?, None),
         };
-        let lease = self.grant_for(token, ttl).await?;
         let mut epoch = self.epoch().await?;
         let mut tried_epoch = false;
         let (granted, kv) = loop {
             let (resp, layer) = if fair {
-                self.fair_txn(claim, attempt, lease, epoch).await?
+                self.fair_txn(claim, place, lease, epoch).await?
             } else {
                 let (txn, layer) = self.acquire_txn(claim, attempt, lease, epoch);
                 (self.txn("acquire", txn).await?, layer)
@@ -811,17 +875,20 @@ impl EtcdBackend {
             }
             let others = self.keep_only(token, Some(held_on));
             self.revoke_later(others);
+            if fair {
+                self.fair().places.remove(token);
+            }
             let validity = claim.ttl.saturating_sub(clock_drift(claim.ttl));
             return Ok(Acquire::Granted(Grant::new(fence, validity, token.clone())));
         }
-        // Refused. A waiting attempt keeps its lease (its waiter key or queue place is on
-        // it) and gives back the previous one; the others give theirs back.
-        let registered = match attempt {
-            Attempt::Waiting { .. } => true,
-            Attempt::Arriving { .. } => fair,
-            Attempt::Once => false,
+        // Refused. A waiting attempt keeps the lease its waiter key or queue place is on,
+        // and gives back its previous ones; the others give theirs back.
+        let kept = match attempt {
+            _ if fair => place,
+            Attempt::Waiting { .. } => Some(lease),
+            _ => None,
         };
-        let others = self.keep_only(token, registered.then_some(lease));
+        let others = self.keep_only(token, kept);
         self.revoke_later(others);
         // Held: re-check at the fallback interval at the latest (a release, or the lease
         // running out, wakes the waiter before that). Free, yet refused (`None`): registered
@@ -837,7 +904,7 @@ impl EtcdBackend {
     async fn fair_txn(
         &self,
         claim: &Claim,
-        attempt: Attempt,
+        place_lease: Option<i64>,
         lease: i64,
         epoch: u64,
     ) -> Result<(TxnResponse, bool)> {
@@ -846,19 +913,17 @@ impl EtcdBackend {
         let queue = self.range_prefix("q", key);
         // Join the queue first (a waiting attempt), or refresh the place's lease; then the
         // head is the entry with the lowest create revision.
-        let mine = if attempt.recheck().is_some() {
+        let mine = if let Some(on) = place_lease {
+            // A put keeps the key's create revision (its place) and moves it to the new
+            // lease. Not for an abandoned claim (a late attempt of one).
             let txn = Txn::new()
-                .when([Compare::create_revision(place.clone(), CompareOp::Equal, 0)])
+                .when([Compare::create_revision(
+                    self.bar_key(token),
+                    CompareOp::Equal,
+                    0,
+                )])
                 .and_then([
-                    TxnOp::put(place.clone(), "", Some(PutOptions::new().with_lease(lease))),
-                    TxnOp::get(place.clone(), None),
-                ])
-                .or_else([
-                    TxnOp::put(
-                        place.clone(),
-                        "",
-                        Some(PutOptions::new().with_lease(lease).with_ignore_value()),
-                    ),
+                    TxnOp::put(place.clone(), "", Some(PutOptions::new().with_lease(on))),
                     TxnOp::get(place.clone(), None),
                 ]);
             let resp = self.txn("fair enqueue", txn).await?;
@@ -963,16 +1028,20 @@ impl EtcdBackend {
             self.saw(resp.header().map(|h| h.revision()));
             // Every lease of the token goes: a late copy of one of its acquires then fails
             // (its lease is not found) rather than taking the lock again.
-            let ids = self.keep_only(token, None);
-            self.revoke_later(ids);
+            let mut ids = self.keep_only(token, None);
             if resp.succeeded() {
                 let ops = resp.op_responses();
                 if let Some(kv) = ops.first().and_then(first_kv) {
-                    self.revoke_later(vec![kv.lease()]);
+                    if !ids.contains(&kv.lease()) {
+                        ids.push(kv.lease()); // granted through another backend
+                    }
                 }
+                self.revoke_later(ids);
                 return Ok(Some(0));
             }
+            self.revoke_later(ids);
             if abandon {
+                self.fair().places.remove(token);
                 return Ok(None);
             }
             let ops = resp.op_responses();
@@ -1059,14 +1128,20 @@ impl EtcdBackend {
     }
 
     /// A wake-up from the watch of `key` (of every key under it, with `prefix`), once
-    /// etcd has created the watch. `all`: a delete wakes every local subscriber, not one.
-    async fn subscribe_key(&self, key: Vec<u8>, prefix: bool, all: bool) -> Result<Subscription> {
+    /// etcd has created the watch. `hook`: what a delete does instead of waking one local
+    /// subscriber.
+    async fn subscribe_key(
+        &self,
+        key: Vec<u8>,
+        prefix: bool,
+        hook: Option<watch::Hook>,
+    ) -> Result<Subscription> {
         let (reply, answer) = oneshot::channel();
         let gone = || Error::backend(Unavailable("etcd: the watch task has stopped".into()));
         let cmd = watch::Cmd::Watch {
             key: key.clone(),
             prefix,
-            all,
+            hook,
             reply,
         };
         self.inner.watch.unbounded_send(cmd).map_err(|_| gone())?;
@@ -1088,6 +1163,26 @@ impl EtcdBackend {
             cmds: self.inner.watch.clone(),
         };
         Ok(Subscription::new(event).with_guard(guard))
+    }
+}
+
+/// Takes a fair waiter's subscription out of [`FairWaiters`].
+struct FairGuard {
+    fair: Arc<Mutex<FairWaiters>>,
+    key: Vec<u8>,
+    token: Token,
+}
+
+impl Drop for FairGuard {
+    fn drop(&mut self) {
+        let mut fair = self.fair.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(list) = fair.by_key.get_mut(&self.key) {
+            list.retain(|(t, e)| *t != self.token && e.strong_count() > 0);
+            if list.is_empty() {
+                fair.by_key.remove(&self.key);
+            }
+        }
+        fair.places.remove(&self.token);
     }
 }
 
@@ -1115,11 +1210,23 @@ impl Backend for EtcdBackend {
         }
     }
 
+    /// The attempt runs as a task of its own on the caller's runtime, to its end even if the
+    /// caller's future is dropped or never polled again (as a Redis command runs once sent): a waiter
+    /// polled once stands in the queue, and an attempt cut short is given back by the
+    /// caller's abandon, whose bar refuses whatever of it comes later.
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         claim.check_token()?;
         let _ = terms; // not a Redlock node: no floor, no uptime condition
         self.capabilities().check(&claim.kind, self)?;
-        self.acquire_plain(claim, attempt).await
+        let (this, claim) = (self.clone(), claim.clone());
+        runtime::Rt::current()
+            .run(async move { this.acquire_plain(&claim, attempt).await })
+            .await
+            .unwrap_or_else(|| {
+                Err(Error::backend(Unavailable(
+                    "etcd: the runtime shut down during the attempt".into(),
+                )))
+            })
     }
 
     async fn extend(&self, leases: &[Lease<'_>], _terms: NodeTerms) -> Result<Vec<Extended>> {
@@ -1158,19 +1265,48 @@ impl Backend for EtcdBackend {
     /// waiter of this process; a fair waiter is woken by the same deletes and looks whether
     /// it is at the head.
     async fn subscribe(&self, claim: &Claim) -> Result<Subscription> {
-        let lock = self.subscribe_key(self.lock_key(&claim.key), false, false);
+        let lock = self.lock_key(&claim.key);
         if claim.kind != ClaimKind::Fair {
-            return lock.await;
+            return self.subscribe_key(lock, false, None).await;
         }
-        // A fair waiter: every delete of the lock or of a queue place (a head that gave up
-        // or ran out) wakes every local fair waiter, each looking whether it is the head.
-        let lock = self
-            .subscribe_key(self.lock_key(&claim.key), false, true)
+        // A fair waiter: a delete of the lock or of a queue place (a head that gave up or
+        // ran out) wakes this process's waiter nearest the head, which looks whether it is.
+        let event = Arc::new(Event::new());
+        self.fair()
+            .by_key
+            .entry(lock.clone())
+            .or_default()
+            .push((claim.token.clone(), Arc::downgrade(&event)));
+        let guard = FairGuard {
+            fair: self.inner.fair.clone(),
+            key: lock.clone(),
+            token: claim.token.clone(),
+        };
+        let hook = |fair: Arc<Mutex<FairWaiters>>, key: Vec<u8>| -> watch::Hook {
+            Arc::new(move |all| {
+                fair.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .wake(&key, all)
+            })
+        };
+        let on_lock = self
+            .subscribe_key(
+                lock.clone(),
+                false,
+                Some(hook(self.inner.fair.clone(), lock.clone())),
+            )
             .await?;
-        let queue = self
-            .subscribe_key(self.range_prefix("q", &claim.key), true, true)
+        let on_queue = self
+            .subscribe_key(
+                self.range_prefix("q", &claim.key),
+                true,
+                Some(hook(self.inner.fair.clone(), lock)),
+            )
             .await?;
-        Ok(Subscription::merge([lock, queue]))
+        Ok(Subscription::new(event)
+            .with_guard(guard)
+            .with_guard(on_lock)
+            .with_guard(on_queue))
     }
 
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {

@@ -180,10 +180,57 @@ impl EtcdServer {
         body.contains("\"health\":\"true\"")
     }
 
+    /// How many waiters stand in `key`'s fair queue (the backend's keys under the default
+    /// prefix), read through etcd's JSON gateway (synchronous, for polling).
+    pub fn queued(&self, key: &redlease::LeaseKey) -> i64 {
+        let k = key.as_str();
+        let prefix = format!("redlease/q/{}:{k}/", k.len()).into_bytes();
+        let mut end = prefix.clone();
+        if let Some(last) = end.last_mut() {
+            *last += 1; // '/' + 1: the end of the prefix's range
+        }
+        let body = format!(
+            r#"{{"key":"{}","range_end":"{}","count_only":true}}"#,
+            base64(&prefix),
+            base64(&end)
+        );
+        let answer = self.post("/v3/kv/range", &body);
+        // {"header":{...},"count":"2"}; no "count" when it is 0.
+        answer
+            .split("\"count\":\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .map_or(0, |n| {
+                n.parse()
+                    .unwrap_or_else(|_| panic!("etcd range answer: {answer}"))
+            })
+    }
+
+    fn post(&self, path: &str, body: &str) -> String {
+        let addr = (Ipv4Addr::LOCALHOST, self.client_port).into();
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .unwrap_or_else(|e| panic!("support: connect to etcd: {e}"));
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes())
+            .unwrap_or_else(|e| panic!("support: write to etcd: {e}"));
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    }
+
     /// The last `n` lines of etcd's log.
     pub fn log_tail(&self, n: usize) -> String {
         let text = fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
+        // Failed applies (a revoke of a lease gone already, say) are routine here.
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.contains("failed to apply request"))
+            .collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
@@ -242,6 +289,9 @@ impl EtcdServer {
 
 impl Drop for EtcdServer {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("etcd log (last 30 lines):\n{}", self.log_tail(30));
+        }
         // A paused server must be able to die.
         if let Some(child) = &self.child {
             let _ = Command::new("kill")
@@ -254,4 +304,23 @@ impl Drop for EtcdServer {
         p.remove(&self.client_port);
         p.remove(&self.peer_port);
     }
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }

@@ -24,13 +24,17 @@ pub(super) enum Cmd {
         key: Vec<u8>,
         /// Every key under `key`.
         prefix: bool,
-        /// A delete wakes every subscriber (fair waiters), not one.
-        all: bool,
+        /// Called on a delete instead of waking one subscriber (fair waiters: the backend
+        /// wakes its waiter nearest the head of the queue); `true` when everyone must look.
+        hook: Option<Hook>,
         reply: oneshot::Sender<Result<Arc<Event>>>,
     },
     /// One subscriber fewer (its subscription was dropped).
     Unwatch { key: Vec<u8> },
 }
+
+/// What a delete of a watched key does instead of waking one subscriber.
+pub(super) type Hook = Arc<dyn Fn(bool) + Send + Sync>;
 
 /// Settings of the watch task.
 pub(super) struct Settings {
@@ -51,7 +55,7 @@ pub(super) struct Settings {
 struct Entry {
     id: i64,
     prefix: bool,
-    all: bool,
+    hook: Option<Hook>,
     event: Arc<Event>,
     users: usize,
     created: bool,
@@ -117,7 +121,7 @@ pub(super) async fn run(settings: Settings, mut cmds: mpsc::UnboundedReceiver<Cm
             // Releases while the stream was down may have been missed (and the server may
             // have restarted, even empty): every waiter looks again, the watchdog too.
             for e in st.entries.values() {
-                e.event.notify(usize::MAX);
+                wake_all(e);
             }
             settings.disturbance.notify(usize::MAX);
         }
@@ -247,12 +251,14 @@ async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd) -> bool 
         Cmd::Watch {
             key,
             prefix,
-            all,
+            hook,
             reply,
         } => {
             if let Some(e) = st.entries.get_mut(&key) {
                 e.users += 1;
-                e.all |= all;
+                if e.hook.is_none() {
+                    e.hook = hook;
+                }
                 if e.created {
                     if reply.send(Ok(e.event.clone())).is_err() {
                         e.users -= 1;
@@ -270,7 +276,7 @@ async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd) -> bool 
                 Entry {
                     id,
                     prefix,
-                    all,
+                    hook,
                     event: Arc::new(Event::new()),
                     users: 1,
                     created: false,
@@ -316,7 +322,7 @@ async fn response(
         // Cancelled by the server (a compacted start revision): watch from now, and wake
         // everyone, since events may have been missed.
         e.created = false;
-        e.event.notify(usize::MAX);
+        wake_all(e);
         let opts = watch_options(id, e.prefix);
         let _ = in_tokio(tx.watch(key.clone(), Some(opts))).await;
         return;
@@ -328,11 +334,20 @@ async fn response(
         if ev.event_type() == EventType::Delete {
             // One release, one waiter of this process (as on Redis); the others are woken by
             // the next release, or re-check.
-            if e.all {
-                e.event.notify(usize::MAX);
-            } else {
-                e.event.notify(1.additional());
+            match &e.hook {
+                Some(hook) => hook(false),
+                None => {
+                    e.event.notify(1.additional());
+                }
             }
         }
+    }
+}
+
+/// Wakes every subscriber of `e` (events may have been missed).
+fn wake_all(e: &Entry) {
+    e.event.notify(usize::MAX);
+    if let Some(hook) = &e.hook {
+        hook(true);
     }
 }
