@@ -450,8 +450,8 @@ impl EtcdBackend {
         let eps = endpoints(url)?;
         // HTTP/2 pings find a connection that died silently; not more often than etcd allows
         // (`--grpc-keepalive-min-time`, 5 s by default), and only while a stream is open (the
-        // watch stream always is): etcd answers pings on an idle connection, or more frequent
-        // ones, with GOAWAY "too many pings".
+        // watch stream always is): gRPC servers answer pings that break their policy with
+        // GOAWAY "too many pings" (grpc-go's documented enforcement; not observed here).
         let copts = ConnectOptions::new()
             .with_timeout(options.timeout)
             .with_connect_timeout(options.connect_timeout)
