@@ -6,14 +6,18 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 use redlease::backend::{clock_drift, Acquire, Attempt, Backend, Claim, NodeTerms, Release};
 use redlease::{
-    Error, EtcdBackend, EtcdOptions, LeaseKey, LockManager, LockOptions, RetryPolicy, Token,
+    Cache, CacheOptions, Error, EtcdBackend, EtcdOptions, LeaseKey, LockManager, LockOptions,
+    RetryPolicy, Token,
 };
-use support::{within, EtcdServer, Proxy, SOON};
+use support::{wait_for_async, within, EtcdServer, Proxy, SOON};
 
 fn opts() -> LockOptions {
     LockOptions::new()
@@ -499,4 +503,169 @@ async fn from_an_applications_client() {
     let other = EtcdBackend::from_client_with(client, EtcdOptions::new().prefix("other/")).unwrap();
     let other = LockManager::with_options(Arc::new(other), opts()).unwrap();
     assert!(other.lock("shared").try_acquire().await.unwrap().is_some());
+}
+
+// ---------------------------------------------------------------------------------------
+// The stampede cache on etcd.
+// ---------------------------------------------------------------------------------------
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error("origin down: {0}")]
+    Origin(String),
+    #[error(transparent)]
+    Cache(#[from] Error),
+}
+
+async fn caches(srv: &EtcdServer, n: usize) -> Vec<Cache> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let options = CacheOptions::new().wait_timeout(SOON);
+        out.push(Cache::with_options(srv.backend().await, options).unwrap());
+    }
+    out
+}
+
+/// 30 callers over three caches (three backends, as three processes): one origin call, the
+/// other caches' callers wait for its fill (woken by the watch), and a fourth cache reads
+/// the stored value without calling its loader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_computes_once_across_backends() {
+    let srv = EtcdServer::start();
+    let caches = caches(&srv, 4).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    for i in 0..30 {
+        let cache = caches[i % 3].clone();
+        let (calls, mut gate) = (calls.clone(), gate.clone());
+        tasks.push(tokio::spawn(async move {
+            cache
+                .get_with("hot", Duration::from_secs(30), move || async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let _ = gate.wait_for(|open| *open).await;
+                    "fresh"
+                })
+                .await
+        }));
+    }
+    let joined = || caches.iter().map(|c| c.stats().calls).sum::<u64>() == 30;
+    assert!(wait_for_async(SOON, joined).await);
+    assert!(wait_for_async(SOON, || calls.load(Ordering::SeqCst) == 1).await);
+    open.send_replace(true);
+    for t in tasks {
+        let v = within("a caller's answer", t).await.unwrap().unwrap();
+        assert_eq!(&v[..], b"fresh");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "one origin call");
+    let v = caches[3]
+        .get_with("hot", Duration::from_secs(30), || async { "unused" })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"fresh", "the stored value");
+    assert_eq!(caches[3].stats().loads, 0);
+}
+
+/// An origin error reaches the callers in the other caches as the round's error (not a
+/// second origin call), and nothing is cached: the next call loads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_origin_error_reaches_the_other_backends() {
+    let srv = EtcdServer::start();
+    let caches = caches(&srv, 2).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let cache = caches[i % 2].clone();
+        let (calls, mut gate) = (calls.clone(), gate.clone());
+        tasks.push(tokio::spawn(async move {
+            cache
+                .try_get_with("q", Duration::from_secs(30), move || async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let _ = gate.wait_for(|open| *open).await;
+                    Err::<Bytes, _>(AppError::Origin("connection refused".into()))
+                })
+                .await
+        }));
+    }
+    let joined = || caches.iter().map(|c| c.stats().calls).sum::<u64>() == 10;
+    assert!(wait_for_async(SOON, joined).await);
+    assert!(wait_for_async(SOON, || calls.load(Ordering::SeqCst) == 1).await);
+    open.send_replace(true);
+    let mut remote = 0;
+    for t in tasks {
+        let err = within("a caller's answer", t)
+            .await
+            .unwrap()
+            .expect_err("a failed compute gives no value");
+        match &*err {
+            AppError::Origin(m) => assert_eq!(m, "connection refused"),
+            AppError::Cache(Error::LoadFailed { message }) => {
+                assert_eq!(message, "origin down: connection refused");
+                remote += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(remote, 5, "the other cache's callers got the round's error");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let v = caches[1]
+        .try_get_with("q", Duration::from_secs(30), || async {
+            Ok::<_, AppError>("rows")
+        })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"rows");
+}
+
+/// A loader whose compute lease went (deleted here, as after a long pause) cannot overwrite
+/// the newer value another cache wrote: the fill is fenced by the lease's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_loader_that_lost_its_lease_cannot_overwrite() {
+    let srv = EtcdServer::start();
+    let caches = caches(&srv, 3).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (open, mut gate) = tokio::sync::watch::channel(false);
+    let old = tokio::spawn({
+        let (cache, calls) = (caches[0].clone(), calls.clone());
+        async move {
+            cache
+                .get_with("f", Duration::from_secs(30), move || async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let _ = gate.wait_for(|open| *open).await;
+                    "old"
+                })
+                .await
+        }
+    });
+    assert!(wait_for_async(SOON, || calls.load(Ordering::SeqCst) == 1).await);
+    // The only lock there is: the compute lease of "f".
+    let mut raw = etcd_client::Client::connect(srv.endpoints(), None)
+        .await
+        .unwrap();
+    let gone = raw
+        .delete(
+            "redlease/l/",
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(gone.deleted(), 1);
+    let v = caches[1]
+        .get_with("f", Duration::from_secs(30), || async { "new" })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"new");
+    open.send_replace(true);
+    let v = within("the late loader", old).await.unwrap().unwrap();
+    assert_eq!(
+        &v[..],
+        b"new",
+        "the late loader's callers get the stored value"
+    );
+    let v = caches[2]
+        .get_with("f", Duration::from_secs(30), || async { "unused" })
+        .await
+        .unwrap();
+    assert_eq!(&v[..], b"new", "the fenced fill refused the late value");
 }

@@ -66,7 +66,10 @@
 //!
 //! # What it serves
 //!
-//! Plain and fair claims. Not reentrant or shared ones: etcd's compares cannot count keys
+//! Plain and fair claims, and the stampede [`Cache`](crate::Cache)'s values (`cache.rs`:
+//! a fill or a failure is written in one transaction that holds only while the lock key
+//! holds the writer's token; a put of a notification key wakes the waiters through the
+//! watch stream). Not reentrant or shared ones: etcd's compares cannot count keys
 //! (a range compare holds when every key of the range matches, and is false on an empty
 //! one), and the compares of a transaction's nested transactions are evaluated before any
 //! of its writes, so "the last hold is gone, delete the lock" cannot be one transaction; a
@@ -102,6 +105,7 @@ use crate::info::LockInfo;
 use crate::runtime::{self, in_tokio};
 use crate::token::{LeaseKey, Token};
 
+mod cache;
 mod watch;
 
 /// How long tombstones and abandon bars live (the backend-wide lease's TTL), at least half
@@ -1136,12 +1140,29 @@ impl EtcdBackend {
         prefix: bool,
         hook: Option<watch::Hook>,
     ) -> Result<Subscription> {
+        self.watch_key(key, prefix, hook, false).await
+    }
+
+    /// A wake-up from every event of `key`, a put too, waking every local subscriber (the
+    /// cache's fill notifications).
+    async fn subscribe_key_every(&self, key: Vec<u8>) -> Result<Subscription> {
+        self.watch_key(key, false, None, true).await
+    }
+
+    async fn watch_key(
+        &self,
+        key: Vec<u8>,
+        prefix: bool,
+        hook: Option<watch::Hook>,
+        every: bool,
+    ) -> Result<Subscription> {
         let (reply, answer) = oneshot::channel();
         let gone = || Error::backend(Unavailable("etcd: the watch task has stopped".into()));
         let cmd = watch::Cmd::Watch {
             key: key.clone(),
             prefix,
             hook,
+            every,
             reply,
         };
         self.inner.watch.unbounded_send(cmd).map_err(|_| gone())?;

@@ -27,6 +27,8 @@ pub(super) enum Cmd {
         /// Called on a delete instead of waking one subscriber (fair waiters: the backend
         /// wakes its waiter nearest the head of the queue); `true` when everyone must look.
         hook: Option<Hook>,
+        /// Every event (a put too) wakes every subscriber (the cache's fill notifications).
+        every: bool,
         reply: oneshot::Sender<Result<Arc<Event>>>,
     },
     /// One subscriber fewer (its subscription was dropped).
@@ -56,6 +58,7 @@ struct Entry {
     id: i64,
     prefix: bool,
     hook: Option<Hook>,
+    every: bool,
     event: Arc<Event>,
     users: usize,
     created: bool,
@@ -252,6 +255,7 @@ async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd) -> bool 
             key,
             prefix,
             hook,
+            every,
             reply,
         } => {
             if let Some(e) = st.entries.get_mut(&key) {
@@ -277,6 +281,7 @@ async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd) -> bool 
                     id,
                     prefix,
                     hook,
+                    every,
                     event: Arc::new(Event::new()),
                     users: 1,
                     created: false,
@@ -331,7 +336,9 @@ async fn response(
         if let Some(kv) = ev.kv() {
             st.last_rev = st.last_rev.max(kv.mod_revision());
         }
-        if ev.event_type() == EventType::Delete {
+        if e.every {
+            e.event.notify(usize::MAX);
+        } else if ev.event_type() == EventType::Delete {
             // One release, one waiter of this process (as on Redis); the others are woken by
             // the next release, or re-check.
             match &e.hook {
