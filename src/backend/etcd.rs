@@ -1,84 +1,6 @@
 //! `EtcdBackend`: leases on etcd v3 (feature `etcd`, through the `etcd-client` crate).
 //!
-//! # The record
-//!
-//! Every key lives under the backend's prefix `P` ([`EtcdOptions::prefix`], `redlease/` by
-//! default); `K` is the lock's [`LeaseKey`], `T` a claim's token:
-//!
-//! - `P l/K`: the lock, its value the holder's token, attached to the **claim's own etcd
-//!   lease** (granted for the attempt, revoked when the attempt is refused or given back).
-//! - `P i/K`: the holder's label (for [`inspect`](Backend::inspect)), on the same lease.
-//! - `P w/len:K/T`: a registered waiter ([`Attempt::Waiting`]), on that attempt's lease; an
-//!   [`Attempt::Arriving`] attempt yields while any exist.
-//! - `P q/len:K/T`: a fair claim's place in the queue; the queue's order is the keys'
-//!   create revisions (etcd's revision order is a FIFO).
-//! - `P t/T`: a tombstone, written by a release in the same transaction as the delete, so a
-//!   re-sent release answers `Some` again; `P b/T`: the bar an [`Release::Abandon`] leaves,
-//!   which every acquire transaction checks. Both on a backend-wide lease of 5 minutes.
-//! - `P epoch`: the fencing epoch (below). Never on a lease.
-//!
-//! One acquire is a lease grant and one transaction (compare the lock's create revision to
-//! 0 and the bar's, then put the lock and read it back; else read the holder). A release is
-//! one transaction (compare the value, delete, write the tombstone) and a background revoke.
-//! An extend is one transaction reading the keys (64 leases per transaction: etcd caps a
-//! transaction at 128 operations) and one keep-alive per lease, concurrently.
-//!
-//! # Lease TTLs
-//!
-//! etcd's lease TTLs are whole seconds, with a floor (1.5 times the election timeout; 1 s
-//! with `--election-timeout 100`, 2 s with the defaults). A claim's TTL is rounded **up**
-//! for its etcd lease, and its [`Grant::validity`] / [`Extended::Held`] is the claim's own
-//! TTL less [`clock_drift`]: the store holds the lock at least as long as promised, a
-//! crashed holder's lock at most one rounding longer. An extend asking for more than the
-//! etcd lease was granted with moves the lock to a new lease in one transaction (a
-//! keep-alive renews to the granted TTL only). After a restart etcd gives every lease its
-//! full TTL again (safe: longer, never shorter).
-//!
-//! # Fencing tokens
-//!
-//! fence = `epoch + create_revision(P l/K)`. Within one etcd cluster a key's create
-//! revision strictly increases from one creation to the next (the store's revision never
-//! goes backwards, a restart included), and a re-sent acquire reads back the same create
-//! revision, hence the same fence. A **wiped data directory** restarts revisions at 1 with
-//! no visible sign (the same cluster id), so the revision alone would go backwards: the
-//! epoch covers that. `P epoch` is created once, in microseconds of the wall clock, and
-//! every acquire compares it (a transaction whose epoch differs from the one this process
-//! uses is not applied; the process reads the new one and tries again). When it is missing
-//! (a wiped store), the first process to notice creates it again with
-//! `max(now in µs, old epoch + highest revision it saw + 1)`. The new epoch exceeds every
-//! fence of the old store as long as that store made fewer than one write per microsecond
-//! on average since its epoch was set (etcd makes thousands per second at most), and as
-//! long as the wall clock does not step back by more than the wiped store's revisions
-//! (the same clock assumption the Redis backend's `max(counter + 1, clock µs)` makes). The
-//! alternative, a counter key per lock raised to `max(counter + 1, clock µs)`, needs a read
-//! before every grant (etcd transactions cannot compute), so two round trips and a retry
-//! under contention; the epoch costs one comparison.
-//!
-//! # Wake-ups and reconnects
-//!
-//! One watch stream per backend, one watch per subscribed lock key ([`subscribe`] returns
-//! once etcd confirmed the watch); a delete (a release, or the lease running out) wakes one
-//! local waiter. `etcd-client` reconnects calls by itself but not streams: when the watch
-//! stream breaks, or goes silent (a progress request unanswered for the timeout: a paused
-//! server), it is opened again, every watch re-created from the last revision seen + 1 (from
-//! now if the store's revision went backwards), every waiter woken and
-//! [`disturbed`](Backend::disturbed) resolved, so the watchdog checks every lease at once.
-//!
-//! # What it serves
-//!
-//! Plain and fair claims, and the stampede [`Cache`](crate::Cache)'s values (`cache.rs`:
-//! a fill or a failure is written in one transaction that holds only while the lock key
-//! holds the writer's token; a put of a notification key wakes the waiters through the
-//! watch stream). Not reentrant or shared ones: etcd's compares cannot count keys
-//! (a range compare holds when every key of the range matches, and is false on an empty
-//! one), and the compares of a transaction's nested transactions are evaluated before any
-//! of its writes, so "the last hold is gone, delete the lock" cannot be one transaction; a
-//! semaphore or a read-write lock would need a read, then a transaction guarded by the
-//! range's revisions, retried under contention. Not a [`Redlock`](crate::Redlock) node
-//! (etcd is a quorum already): [`raise_fence`](Backend::raise_fence) answers
-//! [`Error::Unsupported`].
-//!
-//! [`subscribe`]: Backend::subscribe
+//! See [`EtcdBackend`] for the record, the fencing tokens and what the store serves.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -201,9 +123,91 @@ impl EtcdOptions {
 
 /// Leases on etcd v3: an etcd lease per claim, compare-and-delete releases in one
 /// transaction, a watch per waited-for key, fencing tokens from an epoch and the key's
-/// create revision. See the [module docs](self) for the record and its guarantees.
+/// create revision.
 ///
 /// Clones share the client and the watch stream.
+///
+/// # The record
+///
+/// Every key lives under the backend's prefix `P` ([`EtcdOptions::prefix`], `redlease/` by
+/// default); `K` is the lock's [`LeaseKey`], `T` a claim's token:
+///
+/// - `P l/K`: the lock, its value the holder's token, attached to the **claim's own etcd
+///   lease** (granted for the attempt, revoked when the attempt is refused or given back).
+/// - `P i/K`: the holder's label (for [`inspect`](Backend::inspect)), on the same lease.
+/// - `P w/len:K/T`: a registered waiter ([`Attempt::Waiting`]), on that attempt's lease; an
+///   [`Attempt::Arriving`] attempt yields while any exist.
+/// - `P q/len:K/T`: a fair claim's place in the queue; the queue's order is the keys'
+///   create revisions (etcd's revision order is a FIFO).
+/// - `P t/T`: a tombstone, written by a release in the same transaction as the delete, so a
+///   re-sent release answers `Some` again; `P b/T`: the bar an [`Release::Abandon`] leaves,
+///   which every acquire transaction checks. Both on a backend-wide lease of 5 minutes.
+/// - `P epoch`: the fencing epoch (below). Never on a lease.
+///
+/// One acquire is a lease grant and one transaction (compare the lock's create revision to
+/// 0 and the bar's, then put the lock and read it back; else read the holder). A release is
+/// one transaction (compare the value, delete, write the tombstone) and a background revoke.
+/// An extend is one transaction reading the keys (64 leases per transaction: etcd caps a
+/// transaction at 128 operations) and one keep-alive per lease, concurrently.
+///
+/// # Lease TTLs
+///
+/// etcd's lease TTLs are whole seconds, with a floor (1.5 times the election timeout; 1 s
+/// with `--election-timeout 100`, 2 s with the defaults). A claim's TTL is rounded **up**
+/// for its etcd lease, and its [`Grant::validity`] / [`Extended::Held`] is the claim's own
+/// TTL less [`clock_drift`]: the store holds the lock at least as long as promised, a
+/// crashed holder's lock at most one rounding longer. An extend asking for more than the
+/// etcd lease was granted with moves the lock to a new lease in one transaction (a
+/// keep-alive renews to the granted TTL only). After a restart etcd gives every lease its
+/// full TTL again (safe: longer, never shorter).
+///
+/// # Fencing tokens
+///
+/// fence = `epoch + create_revision(P l/K)`. Within one etcd cluster a key's create
+/// revision strictly increases from one creation to the next (the store's revision never
+/// goes backwards, a restart included), and a re-sent acquire reads back the same create
+/// revision, hence the same fence. A **wiped data directory** restarts revisions at 1 with
+/// no visible sign (the same cluster id), so the revision alone would go backwards: the
+/// epoch covers that. `P epoch` is created once, in microseconds of the wall clock, and
+/// every acquire compares it (a transaction whose epoch differs from the one this process
+/// uses is not applied; the process reads the new one and tries again). When it is missing
+/// (a wiped store), the first process to notice creates it again with
+/// `max(now in µs, old epoch + highest revision it saw + 1)`. The new epoch exceeds every
+/// fence of the old store as long as that store made fewer than one write per microsecond
+/// on average since its epoch was set (etcd makes thousands per second at most), and as
+/// long as the wall clock does not step back by more than the wiped store's revisions
+/// (the same clock assumption the Redis backend's `max(counter + 1, clock µs)` makes). The
+/// alternative, a counter key per lock raised to `max(counter + 1, clock µs)`, needs a read
+/// before every grant (etcd transactions cannot compute), so two round trips and a retry
+/// under contention; the epoch costs one comparison.
+///
+/// # Wake-ups and reconnects
+///
+/// One watch stream per backend, one watch per subscribed lock key ([`subscribe`] returns
+/// once etcd confirmed the watch); a delete (a release, or the lease running out) wakes one
+/// local waiter. `etcd-client` reconnects calls by itself but not streams: when the watch
+/// stream breaks, or goes silent (a progress request unanswered for the timeout: a paused
+/// server), it is opened again, every watch re-created from the last revision seen + 1 (from
+/// now if the store's revision went backwards), every waiter woken and
+/// [`disturbed`](Backend::disturbed) resolved, so the watchdog checks every lease at once.
+///
+/// # What it serves
+///
+/// Plain and fair claims, and the stampede [`Cache`](crate::Cache)'s values (`cache.rs`:
+/// a fill or a failure is written in one transaction that holds only while the lock key
+/// holds the writer's token; a put of a notification key wakes the waiters through the
+/// watch stream). Not reentrant or shared ones: etcd's compares cannot count keys
+/// (a range compare holds when every key of the range matches, and is false on an empty
+/// one), and the compares of a transaction's nested transactions are evaluated before any
+/// of its writes, so "the last hold is gone, delete the lock" cannot be one transaction; a
+/// semaphore or a read-write lock would need a read, then a transaction guarded by the
+/// range's revisions, retried under contention. Not a [`Redlock`](crate::Redlock) node
+/// (etcd is a quorum already): [`raise_fence`](Backend::raise_fence) answers
+/// [`Error::Unsupported`].
+///
+/// [`subscribe`]: Backend::subscribe
+///
+/// # Example
 ///
 /// ```no_run
 /// use redlease::{EtcdBackend, LockManager};
