@@ -669,3 +669,53 @@ async fn a_cache_loader_that_lost_its_lease_cannot_overwrite() {
         .unwrap();
     assert_eq!(&v[..], b"new", "the fenced fill refused the late value");
 }
+
+/// What an uncontended cycle costs etcd, counted rather than timed (the calls etcd served,
+/// by method, from its metrics): an acquire is a lease grant and a transaction, a release a
+/// transaction and a lease revoke (sent in the background, after the answer). The time per
+/// cycle is printed for the record, not asserted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncontended_cycle_costs_four_calls() {
+    let srv = EtcdServer::start();
+    let locks = manager(&srv, opts().watchdog(false)).await;
+    // Warm: the epoch is read once per backend.
+    locks
+        .lock("c")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let revoked = || srv.calls().get("LeaseRevoke").copied().unwrap_or(0);
+    assert!(wait_for_async(SOON, || revoked() == 1).await);
+    let settled = revoked();
+    let before = srv.calls();
+    let cycles = 200;
+    let began = Instant::now();
+    for _ in 0..cycles {
+        let g = locks.lock("c").acquire().await.unwrap();
+        g.release().await.unwrap();
+    }
+    let took = began.elapsed();
+    // The revokes are sent after each release's answer: wait until all have come.
+    assert!(wait_for_async(SOON, || revoked() == settled + cycles).await);
+    let after = srv.calls();
+    let per_cycle: std::collections::BTreeMap<&str, f64> = after
+        .iter()
+        .map(|(m, n)| {
+            (
+                m.as_str(),
+                (n - before.get(m).copied().unwrap_or(0)) as f64 / cycles as f64,
+            )
+        })
+        .filter(|(_, n)| *n > 0.0)
+        .collect();
+    println!(
+        "etcd, uncontended acquire + release: {per_cycle:?} per cycle; {:?} per cycle over {cycles} cycles",
+        took / cycles as u32
+    );
+    let expected: std::collections::BTreeMap<&str, f64> =
+        [("LeaseGrant", 1.0), ("LeaseRevoke", 1.0), ("Txn", 2.0)].into();
+    assert_eq!(per_cycle, expected);
+}

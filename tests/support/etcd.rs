@@ -206,6 +206,45 @@ impl EtcdServer {
             })
     }
 
+    /// The gRPC calls etcd has served, by method (`Txn`, `LeaseGrant`, ...), from its
+    /// `/metrics` (`grpc_server_handled_total`, every code; a stream counts once).
+    pub fn calls(&self) -> std::collections::BTreeMap<String, u64> {
+        let text = self.get("/metrics");
+        let mut out = std::collections::BTreeMap::new();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("grpc_server_handled_total{"))
+        {
+            let Some(method) = line
+                .split("grpc_method=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+            else {
+                continue;
+            };
+            let n: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0.0);
+            *out.entry(method.to_owned()).or_insert(0) += n as u64;
+        }
+        out
+    }
+
+    fn get(&self, path: &str) -> String {
+        let addr = (Ipv4Addr::LOCALHOST, self.client_port).into();
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .unwrap_or_else(|e| panic!("support: connect to etcd: {e}"));
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes())
+            .unwrap_or_else(|e| panic!("support: write to etcd: {e}"));
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    }
+
     fn post(&self, path: &str, body: &str) -> String {
         let addr = (Ipv4Addr::LOCALHOST, self.client_port).into();
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
