@@ -11,8 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue, PutOptions, Txn, TxnOp,
-    TxnOpResponse, TxnResponse,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
 use event_listener::Event;
 use futures::channel::{mpsc, oneshot};
@@ -28,6 +28,7 @@ use crate::runtime::{self, in_tokio};
 use crate::token::{LeaseKey, Token};
 
 mod cache;
+mod reentrant;
 mod watch;
 
 /// How long tombstones and abandon bars live (the backend-wide lease's TTL), at least half
@@ -193,16 +194,28 @@ impl EtcdOptions {
 ///
 /// # What it serves
 ///
-/// Plain and fair claims, and the stampede [`Cache`](crate::Cache)'s values (`cache.rs`:
-/// a fill or a failure is written in one transaction that holds only while the lock key
-/// holds the writer's token; a put of a notification key wakes the waiters through the
-/// watch stream). Not reentrant or shared ones: etcd's compares cannot count keys
-/// (a range compare holds when every key of the range matches, and is false on an empty
-/// one), and the compares of a transaction's nested transactions are evaluated before any
-/// of its writes, so "the last hold is gone, delete the lock" cannot be one transaction; a
-/// semaphore or a read-write lock would need a read, then a transaction guarded by the
-/// range's revisions, retried under contention. Not a [`Redlock`](crate::Redlock) node
-/// (etcd is a quorum already): [`raise_fence`](Backend::raise_fence) answers
+/// - Plain claims.
+/// - Fair claims: a place `P q/len:K/T` per waiter, on a lease of the waiter's
+///   `keep_waiter`; the head is the place with the lowest create revision, and a grant
+///   compares that every place of the queue was created at or after the claim's own (a
+///   range compare on create revisions). A release wakes this process's waiter nearest the
+///   head.
+/// - Reentrant claims: a reign is the lock key, `P o/K` (the owner) and a key per hold
+///   `P h/len:K/H`, all on the reign's lease; the count is the number of hold keys, read in
+///   the transaction that adds or removes one. The last hold's release ends the reign in a
+///   second transaction that applies only while no hold key is left. A re-entry, or an
+///   extension asking more than the reign's etcd lease was granted with, is promised only
+///   what that lease holds (the holds would have to move to a longer lease with it).
+/// - The stampede [`Cache`](crate::Cache)'s values (`cache.rs`): a fill or a failure is
+///   written in one transaction that holds only while the lock key holds the writer's
+///   token; a put of a notification key wakes the waiters through the watch stream.
+///
+/// Not shared claims (read-write locks, semaphores): a grant must count the holds, and
+/// etcd's compares cannot (a range compare holds when every key of the range matches, and
+/// is false on an empty one; nested transactions' compares are evaluated before any write).
+/// It would take a read, then a transaction guarded by the range's revisions, retried under
+/// contention, and writer preference on top: not done. Not a [`Redlock`](crate::Redlock)
+/// node (etcd is a quorum already): [`raise_fence`](Backend::raise_fence) answers
 /// [`Error::Unsupported`].
 ///
 /// [`subscribe`]: Backend::subscribe
@@ -249,6 +262,8 @@ struct FairWaiters {
     by_key: HashMap<Vec<u8>, Vec<(Token, std::sync::Weak<Event>)>>,
     /// Each queued token's place (its key's create revision).
     places: HashMap<Token, i64>,
+    /// Each queued token's place and the lease it is on, renewed by its next attempts.
+    standing: HashMap<Token, (i64, i64)>,
 }
 
 impl FairWaiters {
@@ -770,7 +785,8 @@ impl EtcdBackend {
         let ttl = self
             .call("lease ttl", c.lease_time_to_live(id, None))
             .await?;
-        Ok((ttl.ttl() > 0).then_some(ttl.granted_ttl()))
+        // Whole seconds left, rounded down (0 for a lease just renewed to 1 s); -1 when gone.
+        Ok((ttl.ttl() >= 0).then_some(ttl.granted_ttl()))
     }
 
     // ---- acquire ----
@@ -830,31 +846,27 @@ impl EtcdBackend {
     }
 
     async fn acquire_plain(&self, claim: &Claim, attempt: Attempt) -> Result<Acquire> {
-        let token = &claim.token;
-        let fair = claim.kind == ClaimKind::Fair;
-        // A fair waiter's place in the queue is on a lease of its own, of the time the
-        // store keeps a waiter that stops coming back (`keep_waiter`, rounded up to etcd's
-        // seconds): a crashed waiter leaves the queue then.
-        let (lease, place) = match attempt.keep_waiter().filter(|_| fair) {
-            Some(keep) => {
-                let (lease, place) = futures::future::join(
-                    self.grant_for(token, claim.ttl),
-                    self.grant_for(token, keep),
-                )
-                .await;
-                (lease?, Some(place?))
-            }
-            None => (self.grant_for(token, claim.ttl).await?, None),
-        };
+        let lease = self.grant_for(&claim.token, claim.ttl).await?;
+        let (granted, kv, epoch) = self
+            .grant_txn(|epoch| self.acquire_txn(claim, attempt, lease, epoch))
+            .await?;
+        // A waiting attempt keeps the lease its waiter key is on.
+        let kept = matches!(attempt, Attempt::Waiting { .. }).then_some(lease);
+        self.conclude(claim, attempt, (granted, kv), epoch, kept)
+            .await
+    }
+
+    /// Sends an acquire transaction (made for the epoch given) and reads its answer: again
+    /// under the store's new epoch if it changed. The grant, the lock as read, the epoch.
+    async fn grant_txn(
+        &self,
+        txn: impl Fn(u64) -> (Txn, bool),
+    ) -> Result<(bool, Option<KeyValue>, u64)> {
         let mut epoch = self.epoch().await?;
         let mut tried_epoch = false;
-        let (granted, kv) = loop {
-            let (resp, layer) = if fair {
-                self.fair_txn(claim, place, lease, epoch).await?
-            } else {
-                let (txn, layer) = self.acquire_txn(claim, attempt, lease, epoch);
-                (self.txn("acquire", txn).await?, layer)
-            };
+        loop {
+            let (t, layer) = txn(epoch);
+            let resp = self.txn("acquire", t).await?;
             if !resp.succeeded() {
                 // Another epoch: a wiped store, re-created (by us now if nobody did).
                 if tried_epoch {
@@ -866,8 +878,22 @@ impl EtcdBackend {
                 epoch = self.refresh_epoch(Some(epoch)).await?;
                 continue;
             }
-            break read_acquire(&resp, layer)?;
-        };
+            let (granted, kv) = read_acquire(&resp, layer)?;
+            return Ok((granted, kv, epoch));
+        }
+    }
+
+    /// The answer to a plain or fair attempt, from the lock as its transaction read it.
+    /// `kept`: the lease a refused attempt keeps (its waiter key's or queue place's).
+    async fn conclude(
+        &self,
+        claim: &Claim,
+        attempt: Attempt,
+        (granted, kv): (bool, Option<KeyValue>),
+        epoch: u64,
+        kept: Option<i64>,
+    ) -> Result<Acquire> {
+        let token = &claim.token;
         if let Some(kv) = kv
             .as_ref()
             .filter(|kv| kv.value() == token.as_str().as_bytes())
@@ -883,19 +909,15 @@ impl EtcdBackend {
             }
             let others = self.keep_only(token, Some(held_on));
             self.revoke_later(others);
-            if fair {
-                self.fair().places.remove(token);
+            if claim.kind == ClaimKind::Fair {
+                let mut fair = self.fair();
+                fair.places.remove(token);
+                fair.standing.remove(token);
             }
             let validity = claim.ttl.saturating_sub(clock_drift(claim.ttl));
             return Ok(Acquire::Granted(Grant::new(fence, validity, token.clone())));
         }
-        // Refused. A waiting attempt keeps the lease its waiter key or queue place is on,
-        // and gives back its previous ones; the others give theirs back.
-        let kept = match attempt {
-            _ if fair => place,
-            Attempt::Waiting { .. } => Some(lease),
-            _ => None,
-        };
+        // Refused: the attempt's other leases go.
         let others = self.keep_only(token, kept);
         self.revoke_later(others);
         // Held: re-check at the fallback interval at the latest (a release, or the lease
@@ -905,41 +927,125 @@ impl EtcdBackend {
         Ok(Acquire::Held { remaining })
     }
 
-    /// A fair claim's attempt: takes the lock when free and this claim is at the head of
-    /// the queue (or nobody is queued); else a waiting attempt joins the queue. Two
-    /// transactions when it must queue: etcd cannot put a key in one branch and compare
-    /// against it in the same transaction.
-    async fn fair_txn(
-        &self,
-        claim: &Claim,
-        place_lease: Option<i64>,
-        lease: i64,
-        epoch: u64,
-    ) -> Result<(TxnResponse, bool)> {
+    /// A fair claim's attempt. A waiting one stands in the queue first: its place is put
+    /// once, on a lease of the waiter's `keep_waiter` that each later attempt renews (a
+    /// renewal is no write on etcd, unlike a grant or a put), so a crashed waiter leaves
+    /// the queue when it runs out. Then a read: only an attempt that finds the lock free
+    /// and itself at the head (or, not queued, nobody queued) is granted a lease and sends
+    /// the grant transaction, which checks it all again.
+    async fn acquire_fair(&self, claim: &Claim, attempt: Attempt) -> Result<Acquire> {
+        let (key, token) = (&claim.key, &claim.token);
+        let lock = self.lock_key(key);
+        let place = self.in_range("q", key, token);
+        let mut standing = None;
+        let mut holder = None;
+        for _ in 0..2 {
+            if let Some(keep) = attempt.keep_waiter() {
+                match self.stand_in_queue(claim, keep).await? {
+                    Some(s) => standing = Some(s),
+                    // Abandoned: a late attempt of a claim given up.
+                    None => return Ok(Acquire::Held { remaining: None }),
+                }
+            }
+            let head_first = GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(1);
+            let look = Txn::new().and_then([
+                TxnOp::get(lock.clone(), None),
+                TxnOp::get(self.range_prefix("q", key), Some(head_first)),
+                TxnOp::get(place.clone(), None),
+            ]);
+            let resp = self.txn("fair look", look).await?;
+            let ops = resp.op_responses();
+            holder = ops.first().and_then(first_kv).cloned();
+            let head = ops.get(1).and_then(first_kv).map(|kv| kv.key().to_vec());
+            let placed = ops.get(2).and_then(first_kv).is_some();
+            if standing.is_some() && !placed {
+                // The place went (it ran out between attempts): stand in the queue again.
+                self.fair().standing.remove(token);
+                continue;
+            }
+            let ours = holder
+                .as_ref()
+                .is_some_and(|kv| kv.value() == token.as_str().as_bytes());
+            let at_head = match &head {
+                Some(h) => *h == place,
+                None => standing.is_none(),
+            };
+            if ours || (holder.is_none() && at_head) {
+                break;
+            }
+            let kept = standing.map(|(_, lease)| lease);
+            let others = self.keep_only(token, kept);
+            self.revoke_later(others);
+            // Held, or free with another waiter at the head (woken by the release): back at
+            // the re-check, or at the next wake-up.
+            let remaining = holder
+                .as_ref()
+                .map(|_| attempt.recheck().unwrap_or(Duration::ZERO));
+            return Ok(Acquire::Held { remaining });
+        }
+        let _ = holder;
+        let lease = self.grant_for(token, claim.ttl).await?;
+        let mine = standing.map(|(rev, _)| rev);
+        let answer = self
+            .grant_txn(|epoch| self.fair_txn(claim, mine, lease, epoch))
+            .await?;
+        let (granted, kv, epoch) = answer;
+        self.conclude(
+            claim,
+            attempt,
+            (granted, kv),
+            epoch,
+            standing.map(|(_, lease)| lease),
+        )
+        .await
+    }
+
+    /// Puts `claim`'s place in its key's queue, or renews the lease of the place it has:
+    /// the place's create revision and lease; `None` for an abandoned claim.
+    async fn stand_in_queue(&self, claim: &Claim, keep: Duration) -> Result<Option<(i64, i64)>> {
+        let token = &claim.token;
+        let known = self.fair().standing.get(token).copied();
+        if let Some((rev, lease)) = known {
+            if self.keep_alive(lease).await?.is_some() {
+                return Ok(Some((rev, lease)));
+            }
+        }
+        let lease = self.grant_for(token, keep).await?;
+        let place = self.in_range("q", &claim.key, token);
+        // A put keeps the key's create revision (its place) if it is there. Not for an
+        // abandoned claim (a late attempt of one).
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.bar_key(token),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([
+                TxnOp::put(place.clone(), "", Some(PutOptions::new().with_lease(lease))),
+                TxnOp::get(place, None),
+            ]);
+        let resp = self.txn("fair enqueue", txn).await?;
+        let ops = resp.op_responses();
+        let Some(rev) = ops.get(1).and_then(first_kv).map(KeyValue::create_revision) else {
+            self.revoke_later(self.keep_only(token, None));
+            return Ok(None);
+        };
+        let mut fair = self.fair();
+        fair.standing.insert(token.clone(), (rev, lease));
+        fair.places.insert(token.clone(), rev);
+        Ok(Some((rev, lease)))
+    }
+
+    /// The grant transaction of a fair claim (under the epoch check): the lock free, the
+    /// claim not abandoned, and the claim at the head of the queue (`mine`: its place's
+    /// create revision), or, not queued, nobody queued.
+    fn fair_txn(&self, claim: &Claim, mine: Option<i64>, lease: i64, epoch: u64) -> (Txn, bool) {
         let (key, token) = (&claim.key, &claim.token);
         let place = self.in_range("q", key, token);
         let queue = self.range_prefix("q", key);
-        // Join the queue first (a waiting attempt), or refresh the place's lease; then the
-        // head is the entry with the lowest create revision.
-        let mine = if let Some(on) = place_lease {
-            // A put keeps the key's create revision (its place) and moves it to the new
-            // lease. Not for an abandoned claim (a late attempt of one).
-            let txn = Txn::new()
-                .when([Compare::create_revision(
-                    self.bar_key(token),
-                    CompareOp::Equal,
-                    0,
-                )])
-                .and_then([
-                    TxnOp::put(place.clone(), "", Some(PutOptions::new().with_lease(on))),
-                    TxnOp::get(place.clone(), None),
-                ]);
-            let resp = self.txn("fair enqueue", txn).await?;
-            let ops = resp.op_responses();
-            ops.get(1).and_then(first_kv).map(KeyValue::create_revision)
-        } else {
-            None
-        };
         let lock = self.lock_key(key);
         let mut when = vec![
             Compare::create_revision(lock.clone(), CompareOp::Equal, 0),
@@ -951,17 +1057,10 @@ impl EtcdBackend {
                 Compare::create_revision(queue.clone(), CompareOp::Greater, rev - 1).with_prefix(),
             );
         }
-        let mut then = vec![TxnOp::put(
-            lock.clone(),
-            token.as_str(),
-            Some(PutOptions::new().with_lease(lease)),
-        )];
+        let on = || Some(PutOptions::new().with_lease(lease));
+        let mut then = vec![TxnOp::put(lock.clone(), token.as_str(), on())];
         if let Some(label) = token.label() {
-            then.push(TxnOp::put(
-                self.label_key(key),
-                label,
-                Some(PutOptions::new().with_lease(lease)),
-            ));
+            then.push(TxnOp::put(self.label_key(key), label, on()));
         }
         then.push(TxnOp::delete(place, None));
         then.push(TxnOp::get(lock.clone(), None));
@@ -976,10 +1075,7 @@ impl EtcdBackend {
         } else {
             grant
         };
-        let resp = self
-            .txn("fair acquire", self.under_epoch(inner, epoch))
-            .await?;
-        Ok((resp, layer))
+        (self.under_epoch(inner, epoch), layer)
     }
 
     // ---- release ----
@@ -1049,7 +1145,9 @@ impl EtcdBackend {
             }
             self.revoke_later(ids);
             if abandon {
-                self.fair().places.remove(token);
+                let mut fair = self.fair();
+                fair.places.remove(token);
+                fair.standing.remove(token);
                 return Ok(None);
             }
             let ops = resp.op_responses();
@@ -1095,6 +1193,12 @@ impl EtcdBackend {
         let validity = l.ttl.saturating_sub(clock_drift(l.ttl));
         if granted >= want {
             return Ok(Extended::Held(validity));
+        }
+        if l.token.is_hold() {
+            // A reign's holds and owner are on its lease too: it keeps its lease, and is
+            // promised only what the lease was granted with.
+            let ttl = Duration::from_secs(u64::try_from(granted).unwrap_or(0));
+            return Ok(Extended::Held(ttl.saturating_sub(clock_drift(ttl))));
         }
         // Longer than the lease was granted with: the lock moves to a new lease, in one
         // transaction that holds only while the key is still this token's on the old one.
@@ -1208,6 +1312,7 @@ impl Drop for FairGuard {
             }
         }
         fair.places.remove(&self.token);
+        fair.standing.remove(&self.token);
     }
 }
 
@@ -1227,10 +1332,11 @@ impl Drop for Unwatch {
 
 #[async_trait]
 impl Backend for EtcdBackend {
-    /// Plain and fair claims; see the module docs for why not reentrant or shared ones.
+    /// Plain, fair and reentrant claims; see [`EtcdBackend`] for why not shared ones.
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             fair: true,
+            reentrant: true,
             ..Capabilities::PLAIN
         }
     }
@@ -1245,7 +1351,15 @@ impl Backend for EtcdBackend {
         self.capabilities().check(&claim.kind, self)?;
         let (this, claim) = (self.clone(), claim.clone());
         runtime::Rt::current()
-            .run(async move { this.acquire_plain(&claim, attempt).await })
+            .run(async move {
+                match &claim.kind {
+                    ClaimKind::Reentrant(owner) => {
+                        this.acquire_reentrant(&claim, owner, attempt).await
+                    }
+                    ClaimKind::Fair => this.acquire_fair(&claim, attempt).await,
+                    _ => this.acquire_plain(&claim, attempt).await,
+                }
+            })
             .await
             .unwrap_or_else(|| {
                 Err(Error::backend(Unavailable(
@@ -1283,6 +1397,9 @@ impl Backend for EtcdBackend {
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
         self.capabilities().check(&claim.kind, self)?;
+        if matches!(claim.kind, ClaimKind::Reentrant(_)) {
+            return self.release_reentrant(claim, how).await;
+        }
         self.release_plain(claim, how).await
     }
 
@@ -1343,6 +1460,7 @@ impl Backend for EtcdBackend {
                 self.range_prefix("q", key),
                 Some(GetOptions::new().with_prefix().with_count_only()),
             ),
+            self.hold_count_op(key),
         ]);
         let resp = self.txn("inspect", txn).await?;
         let ops = resp.op_responses();
@@ -1364,6 +1482,10 @@ impl Backend for EtcdBackend {
         }
         if let Some(TxnOpResponse::Get(g)) = ops.get(2) {
             info.queue_len = u64::try_from(g.count()).unwrap_or(0);
+        }
+        if let Some(TxnOpResponse::Get(g)) = ops.get(3) {
+            let holds = u64::try_from(g.count()).unwrap_or(0);
+            info.reentrant_count = (info.held && holds > 0).then_some(holds);
         }
         Ok((!info.is_blank()).then_some(info))
     }

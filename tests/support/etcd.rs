@@ -183,8 +183,18 @@ impl EtcdServer {
     /// How many waiters stand in `key`'s fair queue (the backend's keys under the default
     /// prefix), read through etcd's JSON gateway (synchronous, for polling).
     pub fn queued(&self, key: &redlease::LeaseKey) -> i64 {
+        self.count("q", key)
+    }
+
+    /// How many holds `key`'s reentrant reign counts (its hold keys).
+    pub fn holds(&self, key: &redlease::LeaseKey) -> i64 {
+        self.count("h", key)
+    }
+
+    /// The keys of `kind` under `key` (the backend's `P kind/len:K/...`).
+    fn count(&self, kind: &str, key: &redlease::LeaseKey) -> i64 {
         let k = key.as_str();
-        let prefix = format!("redlease/q/{}:{k}/", k.len()).into_bytes();
+        let prefix = format!("redlease/{kind}/{}:{k}/", k.len()).into_bytes();
         let mut end = prefix.clone();
         if let Some(last) = end.last_mut() {
             *last += 1; // '/' + 1: the end of the prefix's range
