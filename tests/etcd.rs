@@ -719,3 +719,21 @@ async fn an_uncontended_cycle_costs_four_calls() {
         [("LeaseGrant", 1.0), ("LeaseRevoke", 1.0), ("Txn", 2.0)].into();
     assert_eq!(per_cycle, expected);
 }
+
+/// Outside any tokio runtime (a plain thread, a futures executor): the client's calls run
+/// in the crate's own tokio context, and locks, waits and the watchdog work as on tokio.
+#[test]
+fn works_without_a_tokio_runtime() {
+    let srv = EtcdServer::start();
+    futures::executor::block_on(async {
+        let a = LockManager::with_options(srv.backend().await, opts()).unwrap();
+        let b = LockManager::with_options(srv.backend().await, opts()).unwrap();
+        let g = a.lock("plain-thread").acquire().await.unwrap();
+        assert!(b.lock("plain-thread").try_acquire().await.unwrap().is_none());
+        let fence = g.fencing_token();
+        g.release().await.unwrap();
+        let next = b.lock("plain-thread").acquire().await.unwrap();
+        assert!(next.fencing_token() > fence);
+        next.release().await.unwrap();
+    });
+}
