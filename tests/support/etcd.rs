@@ -242,6 +242,22 @@ impl EtcdServer {
         out
     }
 
+    /// etcd's write-ahead-log fsyncs so far: their number and total seconds.
+    pub fn fsyncs(&self) -> (u64, f64) {
+        let text = self.get("/metrics");
+        let read = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|n| n.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        (
+            read("etcd_disk_wal_fsync_duration_seconds_count ") as u64,
+            read("etcd_disk_wal_fsync_duration_seconds_sum "),
+        )
+    }
+
     fn get(&self, path: &str) -> String {
         let addr = (Ipv4Addr::LOCALHOST, self.client_port).into();
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
