@@ -755,3 +755,21 @@ fn works_without_a_tokio_runtime() {
         next.release().await.unwrap();
     });
 }
+
+/// A name too long for an etcd request fails alone, with an error and no hang; its
+/// neighbours are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_too_long_for_etcd_fails_alone() {
+    let srv = EtcdServer::start();
+    let locks = manager(&srv, opts()).await;
+    let g = locks.lock("before").acquire().await.unwrap();
+    let huge = "x".repeat(2 << 20);
+    let err = within("the huge name's answer", locks.lock(&huge).try_acquire())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err:?}");
+    let after = locks.lock("after").try_acquire().await.unwrap();
+    assert!(after.is_some());
+    assert!(!g.is_lost());
+    g.release().await.unwrap();
+}

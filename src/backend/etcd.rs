@@ -1369,7 +1369,24 @@ impl Backend for EtcdBackend {
     }
 
     async fn extend(&self, leases: &[Lease<'_>], _terms: NodeTerms) -> Result<Vec<Extended>> {
-        let chunks = leases.chunks(EXTEND_CHUNK).map(|c| self.extend_chunk(c));
+        let chunks = leases.chunks(EXTEND_CHUNK).map(|c| async move {
+            match self.extend_chunk(c).await {
+                // Refused as a whole (a request over etcd's size limit, say): each lease on
+                // its own, so that one bad key does not fail its neighbours.
+                Err(e) if c.len() > 1 && crate::backend::refused(&e) => {
+                    let each = c.iter().map(|l| async move {
+                        match self.extend_chunk(std::slice::from_ref(l)).await {
+                            Ok(mut v) => v.pop().unwrap_or_else(|| {
+                                Extended::Failed(Error::backend("etcd: extend: no answer"))
+                            }),
+                            Err(e) => Extended::Failed(e),
+                        }
+                    });
+                    Ok(futures::future::join_all(each).await)
+                }
+                answer => answer,
+            }
+        });
         let answers = futures::future::join_all(chunks).await;
         let mut out = Vec::with_capacity(leases.len());
         let mut first_err = None;
@@ -1398,7 +1415,14 @@ impl Backend for EtcdBackend {
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
         self.capabilities().check(&claim.kind, self)?;
         if matches!(claim.kind, ClaimKind::Reentrant(_)) {
-            return self.release_reentrant(claim, how).await;
+            return match self.release_reentrant(claim, how).await {
+                // The tombstone lease went (a wiped store): once more with a new one.
+                Err(e) if e.to_string().contains("lease not found") => {
+                    self.tomb_lease(true).await?;
+                    self.release_reentrant(claim, how).await
+                }
+                answer => answer,
+            };
         }
         self.release_plain(claim, how).await
     }
