@@ -51,7 +51,9 @@ const FORGET_AFTER: Duration = Duration::from_secs(3600);
 /// use std::time::Duration;
 /// let opts = redlease::EtcdOptions::new()
 ///     .prefix("myapp/locks/")
-///     .timeout(Duration::from_secs(1));
+///     .timeout(Duration::from_secs(1))
+///     .connect_timeout(Duration::from_secs(3))
+///     .heartbeat(Duration::from_millis(500));
 /// assert_eq!(opts.prefix_str(), "myapp/locks/");
 /// ```
 #[derive(Clone, Debug)]
@@ -141,8 +143,19 @@ impl EtcdOptions {
 /// - `P q/len:K/T`: a fair claim's place in the queue; the queue's order is the keys'
 ///   create revisions (etcd's revision order is a FIFO).
 /// - `P t/T`: a tombstone, written by a release in the same transaction as the delete, so a
-///   re-sent release answers `Some` again; `P b/T`: the bar an [`Release::Abandon`] leaves,
-///   which every acquire transaction checks. Both on a backend-wide lease of 5 minutes.
+///   re-sent release answers `Some` again; `P b/T`: the bar an [`Release::Abandon`] leaves.
+///   A plain or fair grant checks both: a late copy of an acquire (sent before the release
+///   or the abandon, delayed on a connection that broke) takes nothing. Both on a
+///   backend-wide lease of 5 minutes. The attempt's own etcd leases are revoked too, so such
+///   a copy also fails on its lease.
+///
+/// # Send order
+///
+/// `etcd-client` sends each call once and never re-sends it; a call cut off mid-flight may
+/// still be applied later (the old connection's request reaching etcd late). No operation
+/// numbers are kept: the tombstone, the bar and the revoked leases above refuse such a late
+/// acquire, and a late release compares the token, which no later grant reuses (every
+/// acquire makes a new token).
 /// - `P epoch`: the fencing epoch (below). Never on a lease.
 ///
 /// One acquire is a lease grant and one transaction (compare the lock's create revision to
@@ -798,9 +811,12 @@ impl EtcdBackend {
         let lock = self.lock_key(key);
         let with_lease = || Some(PutOptions::new().with_lease(lease));
         let waiter = self.in_range("w", key, token);
+        // Free, and the claim neither abandoned (its bar) nor released already (its
+        // tombstone: this is a late copy of an acquire sent before the release).
         let when = [
             Compare::create_revision(lock.clone(), CompareOp::Equal, 0),
             Compare::create_revision(self.bar_key(token), CompareOp::Equal, 0),
+            Compare::create_revision(self.tomb_key(token), CompareOp::Equal, 0),
         ];
         let mut then = vec![TxnOp::put(lock.clone(), token.as_str(), with_lease())];
         if let Some(label) = token.label() {
@@ -1050,6 +1066,7 @@ impl EtcdBackend {
         let mut when = vec![
             Compare::create_revision(lock.clone(), CompareOp::Equal, 0),
             Compare::create_revision(self.bar_key(token), CompareOp::Equal, 0),
+            Compare::create_revision(self.tomb_key(token), CompareOp::Equal, 0),
         ];
         if let Some(rev) = mine {
             // At the head: every entry of the queue (this one included) came at or after it.
