@@ -264,7 +264,8 @@ async fn a_wiped_store_seen_first_by_an_old_backend() {
 
 /// Re-sent commands are harmless: an acquire re-sent by its holder is granted again with the
 /// same fence; a release re-sent after it went through answers `Some` again (the tombstone);
-/// another token's release answers `None` and leaves the lease.
+/// an acquire arriving after the release is not granted; another token's release answers
+/// `None` and leaves the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resent_commands_answer_as_the_first() {
     let srv = EtcdServer::start();
@@ -293,6 +294,12 @@ async fn resent_commands_answer_as_the_first() {
         Some(0),
         "re-sent release"
     );
+    // A late copy of the acquire, after the release: not granted again.
+    let late = b
+        .acquire(&c1, Attempt::Once, NodeTerms::new())
+        .await
+        .unwrap();
+    assert!(matches!(late, Acquire::Held { .. }), "{late:?}");
     assert!(grant(&b, &c2).await > fence);
 }
 
