@@ -276,7 +276,8 @@ struct FairWaiters {
     /// Each queued token's place (its key's create revision).
     places: HashMap<Token, i64>,
     /// Each queued token's place and the lease it is on, renewed by its next attempts.
-    standing: HashMap<Token, (i64, i64)>,
+    /// (create revision, lease, when the lease was granted or last renewed).
+    standing: HashMap<Token, (i64, i64, Instant)>,
 }
 
 impl FairWaiters {
@@ -1024,11 +1025,21 @@ impl EtcdBackend {
     async fn stand_in_queue(&self, claim: &Claim, keep: Duration) -> Result<Option<(i64, i64)>> {
         let token = &claim.token;
         let known = self.fair().standing.get(token).copied();
-        if let Some((rev, lease)) = known {
+        if let Some((rev, lease, renewed)) = known {
+            // Renewed lately (an attempt woken by a release comes soon after the last):
+            // still there for half its time at least.
+            if renewed.elapsed() < keep / 2 {
+                return Ok(Some((rev, lease)));
+            }
+            let at = Instant::now();
             if self.keep_alive(lease).await?.is_some() {
+                if let Some(entry) = self.fair().standing.get_mut(token) {
+                    entry.2 = at;
+                }
                 return Ok(Some((rev, lease)));
             }
         }
+        let at = Instant::now();
         let lease = self.grant_for(token, keep).await?;
         let place = self.in_range("q", &claim.key, token);
         // A put keeps the key's create revision (its place) if it is there. Not for an
@@ -1050,7 +1061,7 @@ impl EtcdBackend {
             return Ok(None);
         };
         let mut fair = self.fair();
-        fair.standing.insert(token.clone(), (rev, lease));
+        fair.standing.insert(token.clone(), (rev, lease, at));
         fair.places.insert(token.clone(), rev);
         Ok(Some((rev, lease)))
     }
