@@ -16,12 +16,16 @@ use crate::error::{Error, Result};
 use crate::info::LockInfo;
 use crate::token::{LeaseKey, Owner, Token};
 
+#[cfg(feature = "etcd")]
+mod etcd;
 mod memory;
 mod redis;
 mod redlock;
 mod subscription;
 pub(crate) mod values;
 
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdBackend, EtcdOptions};
 pub use memory::MemoryBackend;
 #[cfg(feature = "tls")]
 pub use redis::TlsOptions;

@@ -171,6 +171,8 @@ pub use backend::{
     Backend, FencedWrite, MemoryBackend, RedisBackend, RedisOptions, Redlock, RedlockOptions,
     ReplicaAck, Transport,
 };
+#[cfg(feature = "etcd")]
+pub use backend::{EtcdBackend, EtcdOptions};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`](backend::Subscription), re-exported for
 /// backend authors.

@@ -269,8 +269,9 @@ mod sealed {
     }
 }
 
-/// A backend a [`Cache`] can keep values in: [`RedisBackend`] (across processes) or
-/// [`MemoryBackend`] (one process). Sealed: the cache needs a fenced write and fill
+/// A backend a [`Cache`] can keep values in: [`RedisBackend`] (across processes),
+/// `EtcdBackend` (across processes, with the `etcd` feature) or [`MemoryBackend`] (one
+/// process). Sealed: the cache needs a fenced write and fill
 /// notifications, which the [`Backend`](crate::Backend) trait does not have.
 ///
 /// ```
@@ -297,6 +298,15 @@ impl sealed::Sealed for MemoryBackend {
     }
 }
 impl CacheBackend for MemoryBackend {}
+
+#[cfg(feature = "etcd")]
+impl sealed::Sealed for crate::backend::EtcdBackend {
+    fn into_store(self) -> sealed::StoreHandle {
+        sealed::StoreHandle(Arc::new(self.values()))
+    }
+}
+#[cfg(feature = "etcd")]
+impl CacheBackend for crate::backend::EtcdBackend {}
 
 /// Counters of one [`Cache`] (this process only), from [`Cache::stats`].
 ///

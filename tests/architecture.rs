@@ -113,6 +113,7 @@ const CONFINED_CRATES: &[(&str, &[&str])] = &[
             "src/backend/redis/transport/redis_rs/",
         ],
     ),
+    ("etcd_client", &["src/backend/etcd.rs", "src/backend/etcd/"]),
 ];
 
 /// Source paths that are other crates using the public API only: no `crate::` at all, and

@@ -1,7 +1,7 @@
 //! The behavioural contract of a lock, run against every backend: in memory, on a real
 //! redis-server and on a local Redis Cluster of three primaries, and as Redlock over three
 //! memory stores and over three redis-servers (the Redis ones through fred, and again through
-//! redis-rs with the `redis-rs` feature).
+//! redis-rs with the `redis-rs` feature), and on a one-member etcd with the `etcd` feature.
 
 mod support;
 
@@ -23,6 +23,8 @@ enum Store {
     Cluster(RedisCluster, Transport),
     RedlockMemory(Vec<MemoryBackend>),
     RedlockRedis(Vec<RedisServer>, Transport),
+    #[cfg(feature = "etcd")]
+    Etcd(support::EtcdServer),
 }
 
 /// Fresh test servers have been up for under a second: the restart guard (tested in
@@ -56,6 +58,11 @@ impl Store {
     #[cfg(feature = "redis-rs")]
     fn cluster_redis_rs() -> Self {
         Store::Cluster(RedisCluster::start(3, 0), Transport::RedisRs)
+    }
+
+    #[cfg(feature = "etcd")]
+    fn etcd() -> Self {
+        Store::Etcd(support::EtcdServer::start())
     }
 
     fn redlock_memory() -> Self {
@@ -110,6 +117,8 @@ impl Store {
                     .unwrap(),
                 )
             }
+            #[cfg(feature = "etcd")]
+            Store::Etcd(srv) => Arc::new(srv.backend().await),
         }
     }
 
@@ -565,6 +574,15 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::redlock_redis_rs()).await
+                }
+            )*
+        }
+        #[cfg(feature = "etcd")]
+        mod etcd {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::etcd()).await
                 }
             )*
         }

@@ -2,6 +2,7 @@
 //!
 //! * [`RedisServer`]: a throw-away `redis-server` on a free loopback port, killed on drop.
 //! * [`RedisCluster`]: a throw-away Redis Cluster of such servers.
+//! * `EtcdServer` (feature `etcd`): a throw-away one-member etcd on free loopback ports.
 //! * [`RedisSentinels`]: a throw-away primary, its replicas and the Sentinels watching them.
 //! * [`Resp`] / [`Conn`]: a tiny RESP2 client for poking at the server from tests.
 //! * [`Checker`] / [`Section`]: a mutual-exclusion and fencing-token checker.
@@ -21,6 +22,8 @@
 
 mod checker;
 mod cluster;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod proxy;
 mod record;
 mod sentinel;
@@ -33,6 +36,8 @@ mod wrap;
 
 pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdServer;
 pub use proxy::Proxy;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;
