@@ -17,12 +17,16 @@ use crate::info::LockInfo;
 use crate::token::{LeaseKey, Owner, Token};
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod redis;
 mod redlock;
 mod subscription;
 pub(crate) mod values;
 
 pub use memory::MemoryBackend;
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "tls")]
 pub use redis::TlsOptions;
 pub use redis::{FencedWrite, RedisBackend, RedisOptions, ReplicaAck, Transport};

@@ -165,6 +165,8 @@ pub mod futures {
     pub use crate::guard::Lost;
 }
 
+#[cfg(feature = "postgres")]
+pub use backend::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "tls")]
 pub use backend::TlsOptions;
 pub use backend::{

@@ -1,7 +1,7 @@
 //! The behavioural contract of a lock, run against every backend: in memory, on a real
 //! redis-server and on a local Redis Cluster of three primaries, and as Redlock over three
 //! memory stores and over three redis-servers (the Redis ones through fred, and again through
-//! redis-rs with the `redis-rs` feature).
+//! redis-rs with the `redis-rs` feature), and on a PostgreSQL server with the `postgres` feature.
 
 mod support;
 
@@ -23,6 +23,8 @@ enum Store {
     Cluster(RedisCluster, Transport),
     RedlockMemory(Vec<MemoryBackend>),
     RedlockRedis(Vec<RedisServer>, Transport),
+    #[cfg(feature = "postgres")]
+    Postgres(support::PgServer),
 }
 
 /// Fresh test servers have been up for under a second: the restart guard (tested in
@@ -56,6 +58,11 @@ impl Store {
     #[cfg(feature = "redis-rs")]
     fn cluster_redis_rs() -> Self {
         Store::Cluster(RedisCluster::start(3, 0), Transport::RedisRs)
+    }
+
+    #[cfg(feature = "postgres")]
+    fn postgres() -> Self {
+        Store::Postgres(support::PgServer::start())
     }
 
     fn redlock_memory() -> Self {
@@ -94,6 +101,8 @@ impl Store {
                     .await
                     .unwrap(),
             ),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => Arc::new(srv.backend().await),
             Store::RedlockMemory(nodes) => {
                 Arc::new(Redlock::with_options(nodes.clone(), redlock_options()).unwrap())
             }
@@ -565,6 +574,15 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::redlock_redis_rs()).await
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::postgres()).await
                 }
             )*
         }

@@ -22,6 +22,8 @@
 mod checker;
 mod cluster;
 mod proxy;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod record;
 mod sentinel;
 mod server;
@@ -34,6 +36,8 @@ mod wrap;
 pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
 pub use proxy::Proxy;
+#[cfg(feature = "postgres")]
+pub use postgres::PgServer;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};

@@ -1,0 +1,311 @@
+//! A throw-away PostgreSQL 15 server (Debian's `postgresql` package) for the tests: its own
+//! data directory in a temp dir, a free loopback port, `fsync=off`, run as the `postgres`
+//! user (initdb and postgres refuse root). Killed and removed on drop.
+//!
+//! `fsync=off` loses nothing when a process is killed (the OS keeps the written pages); only
+//! a machine crash could, which no test makes. Commits stay synchronous, so a grant that was
+//! answered is never forgotten by a restart.
+
+use std::collections::HashSet;
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use redlease::{PostgresBackend, PostgresOptions};
+
+const BIN: &str = "/usr/lib/postgresql/15/bin";
+
+fn bin(name: &str) -> String {
+    let path = format!("{BIN}/{name}");
+    if !Path::new(&path).exists() {
+        panic!(
+            "{path} is missing: the PostgreSQL tests need Debian's PostgreSQL 15 \
+             (apt-get install -y postgresql)"
+        );
+    }
+    path
+}
+
+/// Runs `cmd` as the `postgres` user.
+fn as_postgres(program: &str) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args([
+        "--reuid=postgres",
+        "--regid=postgres",
+        "--init-groups",
+        program,
+    ]);
+    cmd
+}
+
+fn chown(path: &Path) {
+    let ok = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(path)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok, "chown -R postgres {}", path.display());
+}
+
+fn fresh_dir(what: &str) -> PathBuf {
+    static N: Mutex<u64> = Mutex::new(0);
+    let n = {
+        let mut n = N.lock().unwrap_or_else(|p| p.into_inner());
+        *n += 1;
+        *n
+    };
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!(
+        "redlease-pg-{}-{what}-{n}-{nanos}",
+        std::process::id()
+    ));
+    fs::create_dir_all(&dir).expect("create a temp dir");
+    dir
+}
+
+/// One initdb per test process, copied for each server (initdb takes most of a second).
+fn template() -> &'static Path {
+    static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
+    TEMPLATE.get_or_init(|| {
+        let dir = fresh_dir("template");
+        chown(&dir);
+        let out = as_postgres(&bin("initdb"))
+            .arg("-D")
+            .arg(dir.join("data"))
+            .args([
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+                "--no-sync",
+            ])
+            .output()
+            .expect("run initdb");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir.join("data")
+    })
+}
+
+fn free_port() -> u16 {
+    static TAKEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let mut taken = TAKEN.lock().unwrap_or_else(|p| p.into_inner());
+        if taken.get_or_insert_with(HashSet::new).insert(port) {
+            return port;
+        }
+    }
+}
+
+/// A PostgreSQL server of the test's own.
+#[derive(Debug)]
+pub struct PgServer {
+    dir: PathBuf,
+    port: u16,
+    child: Mutex<Option<Child>>,
+}
+
+impl PgServer {
+    /// Starts a server and waits until it accepts connections.
+    pub fn start() -> Self {
+        let dir = fresh_dir("server");
+        let copied = Command::new("cp")
+            .arg("-a")
+            .arg(template())
+            .arg(dir.join("data"))
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(copied, "copy the template data dir");
+        chown(&dir);
+        let srv = PgServer {
+            dir,
+            port: free_port(),
+            child: Mutex::new(None),
+        };
+        srv.launch();
+        srv
+    }
+
+    fn launch(&self) {
+        let log = fs::File::create(self.dir.join("postgres.log")).expect("log file");
+        let child = as_postgres(&bin("postgres"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-p", &self.port.to_string(), "-k"])
+            .arg(&self.dir)
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+                "-c",
+                "max_connections=200",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn postgres");
+        *self.child.lock().unwrap() = Some(child);
+        let began = Instant::now();
+        loop {
+            let ready = Command::new(bin("pg_isready"))
+                .args(["-q", "-h", "127.0.0.1", "-U", "postgres", "-p"])
+                .arg(self.port.to_string())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            if ready {
+                return;
+            }
+            if let Some(Some(status)) = self
+                .child
+                .lock()
+                .unwrap()
+                .as_mut()
+                .map(|c| c.try_wait().ok().flatten())
+            {
+                panic!("postgres exited ({status}): {}", self.log());
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(30),
+                "postgres not ready in 30 s: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("postgres.log")).unwrap_or_default()
+    }
+
+    /// `postgres://postgres@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A backend of its own (its own connections), with a short command timeout.
+    pub async fn backend(&self) -> PostgresBackend {
+        self.backend_with(PostgresOptions::new()).await
+    }
+
+    /// A backend of its own with `opts` (a 2 s command timeout unless they set another).
+    pub async fn backend_with(&self, opts: PostgresOptions) -> PostgresBackend {
+        PostgresBackend::connect_with(&self.url(), opts)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.url()))
+    }
+
+    fn postmaster(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
+    /// The postmaster's children (each in its own session: signals to the group miss them).
+    fn children(&self) -> Vec<u32> {
+        let Some(pid) = self.postmaster() else {
+            return Vec::new();
+        };
+        let out = Command::new("pgrep")
+            .args(["-P", &pid.to_string()])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        out.lines().filter_map(|l| l.trim().parse().ok()).collect()
+    }
+
+    fn signal(pids: &[u32], sig: &str) {
+        if pids.is_empty() {
+            return;
+        }
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .args(pids.iter().map(u32::to_string))
+            .stderr(Stdio::null())
+            .status();
+    }
+
+    /// Kills the server (SIGKILL) and waits until every one of its processes is gone.
+    pub fn kill(&self) {
+        let children = self.children();
+        if let Some(mut child) = self.child.lock().unwrap().take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        Self::signal(&children, "KILL");
+        let began = Instant::now();
+        while children
+            .iter()
+            .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
+            && began.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Starts the server again on the same data and port (crash recovery).
+    pub fn restart(&self) {
+        self.kill();
+        self.launch();
+    }
+
+    /// Stops every process of the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        let mut pids: Vec<u32> = self.postmaster().into_iter().collect();
+        pids.extend(self.children());
+        Self::signal(&pids, "STOP");
+    }
+
+    /// Lets a paused server go on.
+    pub fn resume(&self) {
+        let mut pids: Vec<u32> = self.postmaster().into_iter().collect();
+        pids.extend(self.children());
+        Self::signal(&pids, "CONT");
+    }
+
+    /// Runs `sql` with psql and returns its unaligned output.
+    pub fn psql(&self, sql: &str) -> String {
+        let out = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-At", "-p"])
+            .arg(self.port.to_string())
+            .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
+            .output()
+            .expect("run psql");
+        assert!(
+            out.status.success(),
+            "psql {sql:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        self.resume();
+        self.kill();
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
