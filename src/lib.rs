@@ -165,14 +165,14 @@ pub mod futures {
     pub use crate::guard::Lost;
 }
 
-#[cfg(feature = "postgres")]
-pub use backend::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "tls")]
 pub use backend::TlsOptions;
 pub use backend::{
     Backend, FencedWrite, MemoryBackend, RedisBackend, RedisOptions, Redlock, RedlockOptions,
     ReplicaAck, Transport,
 };
+#[cfg(feature = "postgres")]
+pub use backend::{PostgresBackend, PostgresOptions};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`](backend::Subscription), re-exported for
 /// backend authors.

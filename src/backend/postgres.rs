@@ -137,7 +137,10 @@ impl PostgresOptions {
     }
 
     fn check(&self) -> Result<()> {
-        for (what, name) in [("schema", &self.schema), ("table prefix", &self.table_prefix)] {
+        for (what, name) in [
+            ("schema", &self.schema),
+            ("table prefix", &self.table_prefix),
+        ] {
             let ok = !name.is_empty()
                 && name.len() <= 24
                 && name
@@ -231,7 +234,8 @@ impl Hub {
     /// Redis); `*` (a key too long for a payload): every waiter of every key.
     fn wake(&self, key: &str) {
         if key == "*" {
-            let events: Vec<Arc<Event>> = self.events().values().filter_map(Weak::upgrade).collect();
+            let events: Vec<Arc<Event>> =
+                self.events().values().filter_map(Weak::upgrade).collect();
             for e in events {
                 e.notify(usize::MAX);
             }
@@ -529,7 +533,10 @@ impl Backend for PostgresBackend {
         let row = rows
             .first()
             .ok_or_else(|| Error::backend(Refused("acquire returned no row".into())))?;
-        let (code, val): (i32, i64) = (row.try_get(0).map_err(pg_error)?, row.try_get(1).map_err(pg_error)?);
+        let (code, val): (i32, i64) = (
+            row.try_get(0).map_err(pg_error)?,
+            row.try_get(1).map_err(pg_error)?,
+        );
         Ok(match code {
             1 => Acquire::Granted(Grant::new(
                 u64::try_from(val).unwrap_or(0),
@@ -566,7 +573,13 @@ impl Backend for PostgresBackend {
         Ok(leases
             .iter()
             .zip(held)
-            .map(|(l, h)| if h { Extended::Held(l.ttl) } else { Extended::Gone })
+            .map(|(l, h)| {
+                if h {
+                    Extended::Held(l.ttl)
+                } else {
+                    Extended::Gone
+                }
+            })
             .collect())
     }
 
@@ -585,7 +598,12 @@ impl Backend for PostgresBackend {
         let rows = self
             .query(
                 Stmt::Release,
-                &[&claim.key.as_str().as_bytes(), &claim.token.as_str(), &sent, &abandon],
+                &[
+                    &claim.key.as_str().as_bytes(),
+                    &claim.token.as_str(),
+                    &sent,
+                    &abandon,
+                ],
             )
             .await?;
         let ours: i32 = match rows.first() {
@@ -614,7 +632,9 @@ impl Backend for PostgresBackend {
     }
 
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {
-        let rows = self.query(Stmt::Inspect, &[&key.as_str().as_bytes()]).await?;
+        let rows = self
+            .query(Stmt::Inspect, &[&key.as_str().as_bytes()])
+            .await?;
         let Some(row) = rows.first() else {
             return Ok(None);
         };

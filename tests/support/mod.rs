@@ -21,9 +21,9 @@
 
 mod checker;
 mod cluster;
-mod proxy;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod proxy;
 mod record;
 mod sentinel;
 mod server;
@@ -35,9 +35,9 @@ mod wrap;
 
 pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
-pub use proxy::Proxy;
 #[cfg(feature = "postgres")]
 pub use postgres::PgServer;
+pub use proxy::Proxy;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;
 pub use server::{scratch_dir, Conn, RedisServer, Resp, ScratchDir};

@@ -288,7 +288,16 @@ impl PgServer {
     /// Runs `sql` with psql and returns its unaligned output.
     pub fn psql(&self, sql: &str) -> String {
         let out = Command::new("psql")
-            .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-At", "-p"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-At",
+                "-p",
+            ])
             .arg(self.port.to_string())
             .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
             .output()

@@ -161,7 +161,10 @@ async fn ensure_schema(client: &Client, names: &Names) -> Result<()> {
     if current.is_some_and(|v| v >= VERSION) {
         return Ok(());
     }
-    client.batch_execute(&names.create()).await.map_err(pg_error)
+    client
+        .batch_execute(&names.create())
+        .await
+        .map_err(pg_error)
 }
 
 impl Supervised {
@@ -201,10 +204,7 @@ impl Supervised {
             .map_err(pg_error)?;
         let live = Arc::new(Live { client, statements });
         *slot = Some(live.clone());
-        if self
-            .opened
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.opened.swap(true, std::sync::atomic::Ordering::Relaxed) {
             // Opened again: whatever the server did meanwhile, the watchdog checks now.
             self.hub.disturbed.notify(usize::MAX);
         }

@@ -50,11 +50,7 @@ pub(super) async fn run(
 
 /// One connection's life: connect, `LISTEN`, then hand each notification's key to the hub
 /// until the connection ends. Whether it subscribed.
-async fn session(
-    config: &tokio_postgres::Config,
-    listen: &str,
-    hub: &Arc<Hub>,
-) -> bool {
+async fn session(config: &tokio_postgres::Config, listen: &str, hub: &Arc<Hub>) -> bool {
     let Ok((client, mut connection)) = config.connect(NoTls).await else {
         return false;
     };
