@@ -113,6 +113,14 @@ const CONFINED_CRATES: &[(&str, &[&str])] = &[
             "src/backend/redis/transport/redis_rs/",
         ],
     ),
+    (
+        "tokio_postgres",
+        &["src/backend/postgres.rs", "src/backend/postgres/"],
+    ),
+    (
+        "deadpool_postgres",
+        &["src/backend/postgres.rs", "src/backend/postgres/"],
+    ),
 ];
 
 /// Source paths that are other crates using the public API only: no `crate::` at all, and

@@ -16,7 +16,7 @@ use crate::runtime::{self, in_tokio};
 type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 
 pub(super) enum Commands {
-    Own(Supervised),
+    Own(Box<Supervised>),
     Pool(Pooled),
 }
 
@@ -48,14 +48,14 @@ pub(super) struct Pooled {
 
 impl Commands {
     pub(super) fn own(config: tokio_postgres::Config, names: &Names, hub: Arc<Hub>) -> Self {
-        Commands::Own(Supervised {
+        Commands::Own(Box::new(Supervised {
             config,
             names: names.clone(),
             sqls: Stmt::ALL.iter().map(|s| names.sql(*s)).collect(),
             hub,
             live: tokio::sync::Mutex::new(None),
             opened: std::sync::atomic::AtomicBool::new(false),
-        })
+        }))
     }
 
     pub(super) fn pool(pool: deadpool_postgres::Pool, names: &Names) -> Self {
