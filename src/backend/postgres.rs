@@ -33,7 +33,7 @@ use crate::backend::{
 };
 use crate::error::{Error, Result};
 use crate::info::LockInfo;
-use crate::token::LeaseKey;
+use crate::token::{LeaseKey, Token};
 
 use conn::Commands;
 use schema::{Names, Stmt};
@@ -211,7 +211,10 @@ struct Inner {
 /// What the listener and the command connection share with the backend: local waiters by key,
 /// the disturbance event, and whether the listener is subscribed.
 pub(super) struct Hub {
+    /// Waiters by key (the key's [`payload`] form).
     events: Mutex<HashMap<String, Weak<Event>>>,
+    /// Fair waiters by token: woken by a hand-off to them.
+    targets: Mutex<HashMap<String, Weak<Event>>>,
     disturbed: Event,
     ready: tokio::sync::watch::Sender<bool>,
 }
@@ -220,6 +223,7 @@ impl Hub {
     fn new() -> Self {
         Hub {
             events: Mutex::new(HashMap::new()),
+            targets: Mutex::new(HashMap::new()),
             disturbed: Event::new(),
             ready: tokio::sync::watch::channel(false).0,
         }
@@ -230,39 +234,57 @@ impl Hub {
         self.events.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A release of the key whose [`payload`] is `key`: one local waiter goes to look (as on
-    /// Redis); `*` (a key too long for a payload): every waiter of every key.
-    fn wake(&self, key: &str) {
-        if key == "*" {
-            let events: Vec<Arc<Event>> =
-                self.events().values().filter_map(Weak::upgrade).collect();
-            for e in events {
-                e.notify(usize::MAX);
+    fn targets(&self) -> std::sync::MutexGuard<'_, HashMap<String, Weak<Event>>> {
+        self.targets.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One notification's payload (see `Q_notify` in schema.sql): `1:<key>` wakes one local
+    /// waiter of the key (as on Redis: one release, one waiter), `a:<key>` every one (shared
+    /// claims wait), `t:<token>` the fair waiter handed the lock, `*` every waiter.
+    fn wake(&self, payload: &str) {
+        let (event, n) = match payload.split_once(':') {
+            Some(("1", key)) => (self.events().get(key).and_then(Weak::upgrade), 1),
+            Some(("a", key)) => (self.events().get(key).and_then(Weak::upgrade), usize::MAX),
+            Some(("t", token)) => (
+                self.targets().get(token).and_then(Weak::upgrade),
+                usize::MAX,
+            ),
+            _ => {
+                self.wake_waiters();
+                return;
             }
-            return;
-        }
-        let event = self.events().get(key).and_then(Weak::upgrade);
+        };
         if let Some(event) = event {
-            event.notify(1.additional());
+            if n == 1 {
+                event.notify(1.additional());
+            } else {
+                event.notify(usize::MAX);
+            }
+        }
+    }
+
+    /// Every local waiter looks again.
+    fn wake_waiters(&self) {
+        let mut events: Vec<Arc<Event>> = Vec::new();
+        for map in [&self.events, &self.targets] {
+            let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+            map.retain(|_, e| e.strong_count() > 0);
+            events.extend(map.values().filter_map(Weak::upgrade));
+        }
+        for e in events {
+            e.notify(usize::MAX);
         }
     }
 
     /// Notifications may have been lost (the listener's connection broke): every local
     /// waiter looks again, and the watchdog checks every lease.
     fn wake_all(&self) {
-        let events: Vec<Arc<Event>> = {
-            let mut map = self.events();
-            map.retain(|_, e| e.strong_count() > 0);
-            map.values().filter_map(Weak::upgrade).collect()
-        };
-        for e in events {
-            e.notify(usize::MAX);
-        }
+        self.wake_waiters();
         self.disturbed.notify(usize::MAX);
     }
 
-    fn event(&self, key: &str) -> Arc<Event> {
-        let mut map = self.events();
+    fn event(&self, map: &Mutex<HashMap<String, Weak<Event>>>, key: &str) -> Arc<Event> {
+        let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = map.get(key).and_then(Weak::upgrade) {
             return e;
         }
@@ -308,6 +330,20 @@ fn payload(key: &LeaseKey) -> String {
 /// Milliseconds, saturating.
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A claim's kind as the SQL functions take it: `kind`, `owner_`, `permits`.
+fn kind_args(kind: &ClaimKind) -> Result<(&'static str, Option<&str>, i32)> {
+    Ok(match kind {
+        ClaimKind::Plain => ("p", None, 0),
+        ClaimKind::Fair => ("f", None, 0),
+        ClaimKind::Reentrant(owner) => ("r", Some(owner.as_str()), 0),
+        ClaimKind::Read => ("s", None, 0),
+        ClaimKind::Permit(0) => {
+            return Err(Error::invalid("a semaphore needs at least one permit"))
+        }
+        ClaimKind::Permit(n) => ("s", None, i32::try_from(*n).unwrap_or(i32::MAX)),
+    })
 }
 
 fn check_ttl(ttl: Duration) -> Result<()> {
@@ -502,15 +538,19 @@ impl PostgresBackend {
 
 #[async_trait]
 impl Backend for PostgresBackend {
-    /// Plain leases. One logical store: not a Redlock node (`node: false`).
+    /// Every kind: fair, reentrant and shared (reads, permits). One logical store: not a
+    /// Redlock node (`node: false`).
     fn capabilities(&self) -> Capabilities {
-        Capabilities::PLAIN
+        let mut caps = Capabilities::ALL;
+        caps.node = false;
+        caps
     }
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         claim.check_token()?;
         check_ttl(claim.ttl)?;
         self.unsupported(&claim.kind)?;
+        let (kind, owner, permits) = kind_args(&claim.kind)?;
         let sent = next_sent();
         let wait_ms = attempt.keep_waiter().map_or(0, ms);
         let arriving = matches!(attempt, Attempt::Arriving { .. });
@@ -521,6 +561,9 @@ impl Backend for PostgresBackend {
                 &[
                     &claim.key.as_str().as_bytes(),
                     &claim.token.as_str(),
+                    &kind,
+                    &owner,
+                    &permits,
                     &ms(claim.ttl),
                     &wait_ms,
                     &arriving,
@@ -533,23 +576,29 @@ impl Backend for PostgresBackend {
         let row = rows
             .first()
             .ok_or_else(|| Error::backend(Refused("acquire returned no row".into())))?;
-        let (code, val): (i32, i64) = (
-            row.try_get(0).map_err(pg_error)?,
-            row.try_get(1).map_err(pg_error)?,
-        );
-        Ok(match code {
-            1 => Acquire::Granted(Grant::new(
-                u64::try_from(val).unwrap_or(0),
-                claim.ttl,
-                claim.token.clone(),
-            )),
-            _ => Acquire::Held {
+        let code: i32 = row.try_get(0).map_err(pg_error)?;
+        let val: i64 = row.try_get(1).map_err(pg_error)?;
+        let lease: Option<String> = row.try_get(2).map_err(pg_error)?;
+        let holds: Option<i32> = row.try_get(3).map_err(pg_error)?;
+        if code != 1 {
+            return Ok(Acquire::Held {
                 remaining: u64::try_from(val)
                     .ok()
                     .filter(|v| *v > 0)
                     .map(Duration::from_millis),
-            },
-        })
+            });
+        }
+        let lease = match lease {
+            Some(t) if t != claim.token.as_str() => Token::from_store(&t),
+            _ => claim.token.clone(),
+        };
+        let grant = Grant::new(u64::try_from(val).unwrap_or(0), claim.ttl, lease);
+        Ok(Acquire::Granted(match (&claim.kind, holds) {
+            (ClaimKind::Reentrant(_), Some(n)) => {
+                grant.with_hold_count(u32::try_from(n).unwrap_or(u32::MAX))
+            }
+            _ => grant,
+        }))
     }
 
     async fn extend(&self, leases: &[Lease<'_>], _terms: NodeTerms) -> Result<Vec<Extended>> {
@@ -590,36 +639,43 @@ impl Backend for PostgresBackend {
     }
 
     async fn release(&self, claim: &Claim, how: Release<'_>) -> Result<Option<u32>> {
-        if claim.kind != ClaimKind::Plain {
-            self.unsupported(&claim.kind)?;
-        }
+        let (kind, owner, _) = kind_args(&claim.kind)?;
         let sent = next_sent();
-        let abandon = matches!(how, Release::Abandon);
+        let (lease, abandon) = match how {
+            Release::Confirmed { lease } => (Some(lease.as_str()), false),
+            Release::Abandon => (None, true),
+        };
         let rows = self
             .query(
                 Stmt::Release,
                 &[
                     &claim.key.as_str().as_bytes(),
                     &claim.token.as_str(),
+                    &kind,
+                    &owner,
+                    &lease,
                     &sent,
                     &abandon,
                 ],
             )
             .await?;
-        let ours: i32 = match rows.first() {
+        let left: i32 = match rows.first() {
             Some(row) => row.try_get(0).map_err(pg_error)?,
-            None => 0,
+            None => -1,
         };
-        Ok((ours == 1).then_some(0))
+        Ok(u32::try_from(left).ok())
     }
 
     /// Returns once the backend's listener is subscribed to the release channel (at once,
-    /// but while it reconnects: then within the command timeout, or an error).
+    /// but while it reconnects: then within the command timeout, or an error). A fair claim
+    /// is woken when the lock is handed to it, other kinds by releases of the key.
     async fn subscribe(&self, claim: &Claim) -> Result<Subscription> {
-        if claim.kind != ClaimKind::Plain {
-            self.unsupported(&claim.kind)?;
-        }
-        let event = self.inner.hub.event(&payload(&claim.key));
+        let hub = &self.inner.hub;
+        let event = if claim.kind == ClaimKind::Fair {
+            hub.event(&hub.targets, claim.token.as_str())
+        } else {
+            hub.event(&hub.events, &payload(&claim.key))
+        };
         let mut ready = self.inner.hub.ready.subscribe();
         let deadline = std::time::Instant::now() + self.inner.opts.command_timeout;
         let subscribed = async move { ready.wait_for(|r| *r).await.is_ok() };
@@ -642,13 +698,26 @@ impl Backend for PostgresBackend {
         let left: Option<i64> = row.try_get(1).map_err(pg_error)?;
         let fence: Option<i64> = row.try_get(2).map_err(pg_error)?;
         let label: Option<Vec<u8>> = row.try_get(3).map_err(pg_error)?;
+        let reentrant: Option<i64> = row.try_get(4).map_err(pg_error)?;
+        let shared: Option<i64> = row.try_get(5).map_err(pg_error)?;
+        let shared_labels: Option<Vec<Vec<u8>>> = row.try_get(6).map_err(pg_error)?;
+        let queued: Option<i64> = row.try_get(7).map_err(pg_error)?;
         let mut info = LockInfo::new();
         info.held = held.unwrap_or(false);
         info.remaining = left
             .and_then(|l| u64::try_from(l).ok())
             .map(Duration::from_millis);
         info.fencing_token = fence.and_then(|f| u64::try_from(f).ok()).filter(|f| *f > 0);
-        info.holder_label = label.map(|l| String::from_utf8_lossy(&l).into_owned());
+        let text = |l: Vec<u8>| String::from_utf8_lossy(&l).into_owned();
+        info.holder_label = label.map(text);
+        info.reentrant_count = reentrant.and_then(|n| u64::try_from(n).ok());
+        info.shared_holds = shared.and_then(|n| u64::try_from(n).ok());
+        info.shared_labels = shared_labels
+            .unwrap_or_default()
+            .into_iter()
+            .map(text)
+            .collect();
+        info.queue_len = queued.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
         Ok((!info.is_blank()).then_some(info))
     }
 

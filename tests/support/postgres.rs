@@ -194,7 +194,7 @@ impl PgServer {
         }
     }
 
-    fn log(&self) -> String {
+    pub fn log(&self) -> String {
         fs::read_to_string(self.dir.join("postgres.log")).unwrap_or_default()
     }
 

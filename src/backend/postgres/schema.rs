@@ -53,12 +53,18 @@ impl Names {
         let q = &self.qualified;
         match stmt {
             Stmt::Acquire => {
-                format!("SELECT code, val FROM {q}acquire($1, $2, $3, $4, $5, $6, $7, $8)")
+                format!(
+                    "SELECT code, val, lease, holds FROM \
+                 {q}acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+                )
             }
-            Stmt::Release => format!("SELECT {q}release($1, $2, $3, $4)"),
+            Stmt::Release => format!("SELECT {q}release($1, $2, $3, $4, $5, $6, $7)"),
             Stmt::Extend => format!("SELECT * FROM {q}extend($1, $2, $3)"),
             Stmt::RaiseFence => format!("SELECT {q}raise_fence($1, $2)"),
-            Stmt::Inspect => format!("SELECT held, left_ms, fence, label FROM {q}inspect($1)"),
+            Stmt::Inspect => format!(
+                "SELECT held, left_ms, fence, label, reentrant, shared, shared_labels, queued \
+                 FROM {q}inspect($1)"
+            ),
         }
     }
 
