@@ -39,6 +39,8 @@ async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
 enum Store {
     Memory(MemoryBackend),
     Redis(RedisServer),
+    #[cfg(feature = "postgres")]
+    Postgres(support::PgServer),
 }
 
 impl Store {
@@ -50,6 +52,11 @@ impl Store {
         Store::Redis(RedisServer::start())
     }
 
+    #[cfg(feature = "postgres")]
+    fn postgres() -> Self {
+        Store::Postgres(support::PgServer::start())
+    }
+
     async fn backend(&self) -> Arc<dyn Backend> {
         match self {
             Store::Memory(m) => Arc::new(m.clone()),
@@ -57,6 +64,8 @@ impl Store {
                 let opts = RedisOptions::new().command_timeout(ms(500));
                 Arc::new(RedisBackend::connect_with(&srv.url(), opts).await.unwrap())
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => Arc::new(srv.backend().await),
         }
     }
 
@@ -69,6 +78,17 @@ impl Store {
         match self {
             Store::Memory(_) => None,
             Store::Redis(srv) => srv.cmd(&["LLEN", &key.derived("queue")]).as_int(),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => srv
+                .psql(&format!(
+                    "SELECT count(*) FROM redlease_queue WHERE key = decode('{}', 'hex')",
+                    key.as_str()
+                        .bytes()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                ))
+                .parse()
+                .ok(),
         }
     }
 
@@ -496,6 +516,15 @@ macro_rules! both {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::redis()).await
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::postgres()).await
                 }
             )*
         }

@@ -120,6 +120,8 @@ pub struct PgServer {
     dir: PathBuf,
     port: u16,
     child: Mutex<Option<Child>>,
+    /// The harness's own connection, for [`psql`](Self::psql).
+    conn: Mutex<Option<std::net::TcpStream>>,
 }
 
 impl PgServer {
@@ -139,6 +141,7 @@ impl PgServer {
             dir,
             port: free_port(),
             child: Mutex::new(None),
+            conn: Mutex::new(None),
         };
         srv.launch();
         srv
@@ -194,7 +197,7 @@ impl PgServer {
         }
     }
 
-    pub fn log(&self) -> String {
+    fn log(&self) -> String {
         fs::read_to_string(self.dir.join("postgres.log")).unwrap_or_default()
     }
 
@@ -249,6 +252,7 @@ impl PgServer {
 
     /// Kills the server (SIGKILL) and waits until every one of its processes is gone.
     pub fn kill(&self) {
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let children = self.children();
         if let Some(mut child) = self.child.lock().unwrap().take() {
             let _ = child.kill();
@@ -285,29 +289,113 @@ impl PgServer {
         Self::signal(&pids, "CONT");
     }
 
-    /// Runs `sql` with psql and returns its unaligned output.
+    /// Runs `sql` (one statement, the simple query protocol) on a connection of the
+    /// harness's own and returns its rows as psql's unaligned output would: one line per
+    /// row, columns joined by `|`, NULL as the empty string. Panics on an error.
     pub fn psql(&self, sql: &str) -> String {
-        let out = Command::new("psql")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-At",
-                "-p",
-            ])
-            .arg(self.port.to_string())
-            .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
-            .output()
-            .expect("run psql");
-        assert!(
-            out.status.success(),
-            "psql {sql:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if conn.is_none() {
+            *conn = Some(wire::connect(self.port));
+        }
+        let stream = conn.as_mut().expect("connected above");
+        match wire::query(stream, sql) {
+            Ok(out) => out,
+            Err(e) => {
+                *conn = None;
+                panic!("{sql:?}: {e}");
+            }
+        }
+    }
+}
+
+/// Just enough of PostgreSQL's wire protocol (v3, trust authentication, simple queries) for
+/// the tests to read the store's tables quickly: a psql process costs tens of milliseconds.
+mod wire {
+    use std::io::{self, Read, Write};
+    use std::net::TcpStream;
+    use std::time::Duration;
+
+    pub fn connect(port: u16) -> TcpStream {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to postgres");
+        s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+        let mut body = Vec::new();
+        body.extend_from_slice(&196608u32.to_be_bytes());
+        for part in ["user", "postgres", "database", "postgres", ""] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+        let mut msg = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        msg.extend_from_slice(&body);
+        s.write_all(&msg).expect("send the startup message");
+        if let Err(e) = ready(&mut s).expect("the server's greeting") {
+            panic!("postgres refused the harness's connection: {e}");
+        }
+        s
+    }
+
+    fn message(s: &mut TcpStream) -> io::Result<(u8, Vec<u8>)> {
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head)?;
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        let mut body = vec![0u8; len.saturating_sub(4)];
+        s.read_exact(&mut body)?;
+        Ok((head[0], body))
+    }
+
+    /// Reads until ReadyForQuery: the data rows, or the error's message.
+    fn ready(s: &mut TcpStream) -> io::Result<Result<Vec<String>, String>> {
+        let mut rows = Vec::new();
+        let mut error = None;
+        loop {
+            let (kind, body) = message(s)?;
+            match kind {
+                b'D' => {
+                    let n = u16::from_be_bytes([body[0], body[1]]) as usize;
+                    let mut at = 2;
+                    let mut cols = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        let len = i32::from_be_bytes([
+                            body[at],
+                            body[at + 1],
+                            body[at + 2],
+                            body[at + 3],
+                        ]);
+                        at += 4;
+                        if len < 0 {
+                            cols.push(String::new());
+                        } else {
+                            let len = len as usize;
+                            cols.push(String::from_utf8_lossy(&body[at..at + len]).into_owned());
+                            at += len;
+                        }
+                    }
+                    rows.push(cols.join("|"));
+                }
+                b'E' => {
+                    let fields: Vec<String> = body
+                        .split(|b| *b == 0)
+                        .filter(|f| f.first() == Some(&b'M'))
+                        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
+                        .collect();
+                    error = Some(fields.join("; "));
+                }
+                b'Z' => return Ok(error.map_or(Ok(rows), Err)),
+                _ => {}
+            }
+        }
+    }
+
+    pub fn query(s: &mut TcpStream, sql: &str) -> Result<String, String> {
+        let mut msg = vec![b'Q'];
+        msg.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
+        msg.extend_from_slice(sql.as_bytes());
+        msg.push(0);
+        s.write_all(&msg).map_err(|e| e.to_string())?;
+        match ready(s) {
+            Ok(Ok(rows)) => Ok(rows.join("\n")),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(e.to_string()),
+        }
     }
 }
 
