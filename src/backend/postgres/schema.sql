@@ -303,12 +303,13 @@ BEGIN
       UPDATE Q_lock SET sharers_until = greatest(coalesce(sharers_until, now_),
         now_ + wait_ms * interval '1 ms') WHERE key = k;
     END IF;
-    IF held AND r.token = mode THEN
+    IF lapse IS NOT NULL THEN
+      -- Back when the writer's preference lapses, at the latest.
+      val := CASE WHEN held THEN least(left_, Q_ms(lapse, now_)) ELSE Q_ms(lapse, now_) END;
+    ELSIF permits > 0 AND held AND r.token = mode THEN
       -- Every permit taken: the first to run out frees one.
       SELECT Q_ms(min(s.expires_at), now_) INTO val FROM Q_shared s
         WHERE s.key = k AND s.expires_at > now_;
-    ELSIF lapse IS NOT NULL THEN
-      val := CASE WHEN held THEN least(left_, Q_ms(lapse, now_)) ELSE Q_ms(lapse, now_) END;
     END IF;
     RETURN;
   END IF;
