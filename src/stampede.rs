@@ -298,6 +298,15 @@ impl sealed::Sealed for MemoryBackend {
 }
 impl CacheBackend for MemoryBackend {}
 
+#[cfg(feature = "postgres")]
+impl sealed::Sealed for crate::backend::PostgresBackend {
+    fn into_store(self) -> sealed::StoreHandle {
+        sealed::StoreHandle(Arc::new(self.values()))
+    }
+}
+#[cfg(feature = "postgres")]
+impl CacheBackend for crate::backend::PostgresBackend {}
+
 /// Counters of one [`Cache`] (this process only), from [`Cache::stats`].
 ///
 /// ```

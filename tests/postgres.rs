@@ -472,3 +472,204 @@ async fn a_backend_over_an_application_pool() {
     let next = within("the waiter's grant", waiter).await.unwrap().unwrap();
     assert!(next.fencing_token() > 0);
 }
+
+// ---------------------------------------------------------------------------------------
+// The stampede cache on PostgreSQL.
+// ---------------------------------------------------------------------------------------
+
+mod cache {
+    use super::*;
+    use redlease::{Cache, CacheOptions};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::watch;
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    /// `n` caches, each over a backend of its own (as separate processes), and those
+    /// backends.
+    async fn caches_over(srv: &PgServer, n: usize) -> (Vec<Cache>, Vec<PostgresBackend>) {
+        let (mut caches, mut backends) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            let opts = CacheOptions::new().wait_timeout(support::SOON);
+            let backend = srv.backend().await;
+            caches.push(Cache::with_options(backend.clone(), opts).unwrap());
+            backends.push(backend);
+        }
+        (caches, backends)
+    }
+
+    async fn caches(srv: &PgServer, n: usize) -> Vec<Cache> {
+        caches_over(srv, n).await.0
+    }
+
+    /// The value stored for `key`, read from the table.
+    fn stored(srv: &PgServer, key: &str) -> String {
+        let hex: String = LeaseKey::new("redlease:cache:", key)
+            .as_str()
+            .bytes()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        srv.psql(&format!(
+            "SELECT convert_from(payload, 'UTF8') FROM redlease_value \
+             WHERE key = decode('{hex}', 'hex')"
+        ))
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    enum AppError {
+        #[error("origin down: {0}")]
+        Origin(String),
+        #[error(transparent)]
+        Cache(#[from] Error),
+    }
+
+    /// Callers in three caches (three processes) while one computes: the origin is called
+    /// once, every caller gets its value, and a later call reads it from the table.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_in_three_processes_call_the_origin_once() {
+        let srv = PgServer::start();
+        let caches = caches(&srv, 3).await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (open, gate) = watch::channel(false);
+        let load = |calls: Arc<AtomicUsize>, mut gate: watch::Receiver<bool>| {
+            move || async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let _ = gate.wait_for(|o| *o).await;
+                "fresh"
+            }
+        };
+        let first = tokio::spawn({
+            let (c, l) = (caches[0].clone(), load(calls.clone(), gate.clone()));
+            async move { c.get_with("hot", TTL, l).await }
+        });
+        within("the first loader starts", async {
+            while calls.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(ms(5)).await;
+            }
+        })
+        .await;
+        // The lease is held while the origin is shut: the others wait on its round.
+        let mut others = Vec::new();
+        for i in 0..20 {
+            let (c, l) = (caches[1 + i % 2].clone(), load(calls.clone(), gate.clone()));
+            others.push(tokio::spawn(async move { c.get_with("hot", TTL, l).await }));
+        }
+        within("the callers join", async {
+            while caches[1].stats().calls + caches[2].stats().calls < 20 {
+                tokio::time::sleep(ms(5)).await;
+            }
+        })
+        .await;
+        open.send_replace(true);
+        assert_eq!(
+            &within("the first", first).await.unwrap().unwrap()[..],
+            b"fresh"
+        );
+        for t in others {
+            assert_eq!(&within("a waiter", t).await.unwrap().unwrap()[..], b"fresh");
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "one origin call");
+        assert_eq!(caches[1].stats().loads + caches[2].stats().loads, 0);
+        assert_eq!(stored(&srv, "hot"), "fresh");
+        let again = caches[2]
+            .get_with("hot", TTL, || async { "unused" })
+            .await
+            .unwrap();
+        assert_eq!(&again[..], b"fresh");
+    }
+
+    /// A failed round reaches the callers waiting on it in another process as its message,
+    /// and the next call computes again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_origin_error_reaches_the_other_process_and_the_next_call_retries() {
+        let srv = PgServer::start();
+        let (caches, backends) = caches_over(&srv, 2).await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (open, gate) = watch::channel(false);
+        let failing = |calls: Arc<AtomicUsize>, mut gate: watch::Receiver<bool>| {
+            move || async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let _ = gate.wait_for(|o| *o).await;
+                Err::<&'static str, _>(AppError::Origin("connection refused".into()))
+            }
+        };
+        let first = tokio::spawn({
+            let (c, l) = (caches[0].clone(), failing(calls.clone(), gate.clone()));
+            async move { c.try_get_with("q", TTL, l).await }
+        });
+        within("the loader starts", async {
+            while calls.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(ms(5)).await;
+            }
+        })
+        .await;
+        let other = tokio::spawn({
+            let (c, l) = (caches[1].clone(), failing(calls.clone(), gate.clone()));
+            async move { c.try_get_with("q", TTL, l).await }
+        });
+        // The other caller has read the held lease and waits for the round's end.
+        within("the other caller waits on the round", async {
+            while backends[1].subscribed_keys() == 0 {
+                tokio::time::sleep(ms(5)).await;
+            }
+        })
+        .await;
+        open.send_replace(true);
+        let err = within("the first", first).await.unwrap().unwrap_err();
+        assert!(matches!(&*err, AppError::Origin(_)), "{err:?}");
+        let err = within("the other", other).await.unwrap().unwrap_err();
+        match &*err {
+            AppError::Cache(Error::LoadFailed { message }) => {
+                assert_eq!(message, "origin down: connection refused")
+            }
+            other => panic!("expected the remote round's error, got {other:?}"),
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        let v = caches[1]
+            .try_get_with("q", TTL, || async { Ok::<_, AppError>("rows") })
+            .await
+            .unwrap();
+        assert_eq!(&v[..], b"rows");
+    }
+
+    /// A loader whose lease was lost cannot overwrite the value a later round wrote.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_loader_that_lost_its_lease_cannot_overwrite_the_newer_value() {
+        let srv = PgServer::start();
+        let caches = caches(&srv, 2).await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (open, mut gate) = watch::channel(false);
+        let old = tokio::spawn({
+            let (c, calls) = (caches[0].clone(), calls.clone());
+            async move {
+                c.get_with("f", TTL, move || async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let _ = gate.wait_for(|o| *o).await;
+                    "old"
+                })
+                .await
+            }
+        });
+        within("the slow loader starts", async {
+            while calls.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(ms(5)).await;
+            }
+        })
+        .await;
+        // Its lease is gone (as after a long pause); another process writes a newer value.
+        srv.psql("UPDATE redlease_lock SET token = NULL, expires_at = NULL");
+        let v = caches[1]
+            .get_with("f", TTL, || async { "new" })
+            .await
+            .unwrap();
+        assert_eq!(&v[..], b"new");
+        open.send_replace(true);
+        let v = within("the late loader", old).await.unwrap().unwrap();
+        assert_eq!(
+            &v[..],
+            b"new",
+            "fenced out: its callers get the stored value"
+        );
+        assert_eq!(stored(&srv, "f"), "new");
+    }
+}

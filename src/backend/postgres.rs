@@ -12,6 +12,7 @@
 //! Fences are `max(last + 1, server clock in µs)`, so a database restored from an old backup
 //! or created again still mints larger ones (as the Redis backend's).
 
+mod cache;
 mod conn;
 mod listen;
 mod schema;
@@ -240,11 +241,19 @@ impl Hub {
 
     /// One notification's payload (see `Q_notify` in schema.sql): `1:<key>` wakes one local
     /// waiter of the key (as on Redis: one release, one waiter), `a:<key>` every one (shared
-    /// claims wait), `t:<token>` the fair waiter handed the lock, `*` every waiter.
+    /// claims wait), `t:<token>` the fair waiter handed the lock, `v:<key>` every waiter for
+    /// the key's cached value, `*` every waiter.
     fn wake(&self, payload: &str) {
         let (event, n) = match payload.split_once(':') {
             Some(("1", key)) => (self.events().get(key).and_then(Weak::upgrade), 1),
             Some(("a", key)) => (self.events().get(key).and_then(Weak::upgrade), usize::MAX),
+            // The cache's fills (its subscriptions are keyed `v<key>`).
+            Some(("v", key)) => (
+                self.events()
+                    .get(&format!("v{key}"))
+                    .and_then(Weak::upgrade),
+                usize::MAX,
+            ),
             Some(("t", token)) => (
                 self.targets().get(token).and_then(Weak::upgrade),
                 usize::MAX,
@@ -525,6 +534,33 @@ impl PostgresBackend {
             .await
     }
 
+    /// Returns once the listener is subscribed (at once but while it reconnects: then within
+    /// the command timeout, or an error).
+    async fn listening(&self) -> Result<()> {
+        let mut ready = self.inner.hub.ready.subscribe();
+        let deadline = std::time::Instant::now() + self.inner.opts.command_timeout;
+        let subscribed = async move { ready.wait_for(|r| *r).await.is_ok() };
+        match crate::runtime::until(Some(deadline), subscribed).await {
+            Some(true) => Ok(()),
+            _ => Err(unavailable(
+                "postgres: the listener is not connected (reconnecting)",
+            )),
+        }
+    }
+
+    /// How many keys this backend's waiters are subscribed to now (lock releases, fair
+    /// hand-offs and cached values each count): for tests, which cannot see a waiter on the
+    /// server (subscriptions are local, behind the one listener).
+    #[doc(hidden)]
+    pub fn subscribed_keys(&self) -> usize {
+        let hub = &self.inner.hub;
+        let live = |m: &Mutex<HashMap<String, Weak<Event>>>| {
+            let m = m.lock().unwrap_or_else(|p| p.into_inner());
+            m.values().filter(|e| e.strong_count() > 0).count()
+        };
+        live(&hub.events) + live(&hub.targets)
+    }
+
     /// The channel releases are notified on (for tests and operators).
     #[doc(hidden)]
     pub fn channel(&self) -> &str {
@@ -676,15 +712,8 @@ impl Backend for PostgresBackend {
         } else {
             hub.event(&hub.events, &payload(&claim.key))
         };
-        let mut ready = self.inner.hub.ready.subscribe();
-        let deadline = std::time::Instant::now() + self.inner.opts.command_timeout;
-        let subscribed = async move { ready.wait_for(|r| *r).await.is_ok() };
-        match crate::runtime::until(Some(deadline), subscribed).await {
-            Some(true) => Ok(Subscription::new(event)),
-            _ => Err(unavailable(
-                "postgres: the listener is not connected (reconnecting)",
-            )),
-        }
+        self.listening().await?;
+        Ok(Subscription::new(event))
     }
 
     async fn inspect(&self, key: &LeaseKey) -> Result<Option<LockInfo>> {

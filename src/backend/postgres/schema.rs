@@ -14,15 +14,23 @@ pub(super) enum Stmt {
     Extend,
     RaiseFence,
     Inspect,
+    CacheRead,
+    CacheFill,
+    CacheFail,
+    CacheNotify,
 }
 
 impl Stmt {
-    pub(super) const ALL: [Stmt; 5] = [
+    pub(super) const ALL: [Stmt; 9] = [
         Stmt::Acquire,
         Stmt::Release,
         Stmt::Extend,
         Stmt::RaiseFence,
         Stmt::Inspect,
+        Stmt::CacheRead,
+        Stmt::CacheFill,
+        Stmt::CacheFail,
+        Stmt::CacheNotify,
     ];
 }
 
@@ -65,6 +73,13 @@ impl Names {
                 "SELECT held, left_ms, fence, label, reentrant, shared, shared_labels, queued \
                  FROM {q}inspect($1)"
             ),
+            Stmt::CacheRead => format!(
+                "SELECT has, payload, delta_us, grace_ms, pttl, round, lease_pttl, failed, \
+                 message, by_round, cooling FROM {q}cache_read($1, $2)"
+            ),
+            Stmt::CacheFill => format!("SELECT {q}cache_fill($1, $2, $3, $4, $5, $6, $7)"),
+            Stmt::CacheFail => format!("SELECT {q}cache_fail($1, $2, $3, $4, $5, $6)"),
+            Stmt::CacheNotify => format!("SELECT {q}notify($1, 'v')"),
         }
     }
 

@@ -519,5 +519,106 @@ BEGIN
   END IF;
 END $$;
 
+-- The stampede cache: one value per name beside its compute lease (the name's `lock` row),
+-- written only while the writer's token holds that lease; failed compute rounds, each kept
+-- a short while; the refresh cooldown.
+CREATE TABLE IF NOT EXISTS Q_value (
+  key bytea PRIMARY KEY,
+  payload bytea NOT NULL,
+  delta_us bigint NOT NULL,     -- how long the compute took
+  grace_ms bigint NOT NULL,     -- the stale-while-revalidate window it was written with
+  round bigint NOT NULL,        -- the compute round (fence) that wrote it
+  expires_at timestamptz NOT NULL,  -- grace included
+  cooldown_until timestamptz    -- no background refresh before this
+);
+
+CREATE TABLE IF NOT EXISTS Q_failed (
+  key bytea NOT NULL,
+  round bigint NOT NULL,
+  message text NOT NULL,
+  until timestamptz NOT NULL,
+  PRIMARY KEY (key, round)
+);
+
+-- Everything a caller decides on, in one statement: the value (if live), the compute lease's
+-- round and time left (-2 when free), whether the awaited round failed and why, the cooldown.
+CREATE OR REPLACE FUNCTION Q_cache_read(k bytea, awaited bigint,
+  OUT has boolean, OUT payload bytea, OUT delta_us bigint, OUT grace_ms bigint,
+  OUT pttl bigint, OUT round bigint, OUT lease_pttl bigint, OUT failed boolean,
+  OUT message text, OUT by_round bigint, OUT cooling boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+  now_ timestamptz := clock_timestamp();
+  v Q_value%ROWTYPE;
+  r Q_lock%ROWTYPE;
+BEGIN
+  SELECT * INTO v FROM Q_value x WHERE x.key = k;
+  has := FOUND AND v.expires_at > now_;
+  IF has THEN
+    payload := v.payload; delta_us := v.delta_us; grace_ms := v.grace_ms;
+    pttl := greatest(0, floor(extract(epoch FROM (v.expires_at - now_)) * 1000))::bigint;
+    by_round := v.round;
+  END IF;
+  cooling := v.cooldown_until > now_;
+  cooling := coalesce(cooling, false);
+  SELECT * INTO r FROM Q_lock l WHERE l.key = k;
+  lease_pttl := -2; round := 0;
+  IF r.token IS NOT NULL AND r.expires_at > now_ THEN
+    lease_pttl := greatest(0, floor(extract(epoch FROM (r.expires_at - now_)) * 1000))::bigint;
+    round := r.fence;
+  END IF;
+  failed := false;
+  IF awaited > 0 THEN
+    SELECT f.message INTO message FROM Q_failed f
+      WHERE f.key = k AND f.round = awaited AND f.until > now_;
+    failed := FOUND;
+  END IF;
+END $$;
+
+-- Writes a computed value if `tok` holds the compute lease, and wakes the waiters.
+CREATE OR REPLACE FUNCTION Q_cache_fill(k bytea, tok text, payload_ bytea, delta bigint,
+  grace bigint, lifetime_ms bigint, round_ bigint)
+RETURNS int LANGUAGE plpgsql AS $$
+DECLARE
+  now_ timestamptz := clock_timestamp();
+  r Q_lock%ROWTYPE;
+BEGIN
+  SELECT * INTO r FROM Q_lock WHERE key = k FOR UPDATE;
+  IF NOT FOUND OR r.token IS DISTINCT FROM tok OR NOT r.expires_at > now_ THEN
+    RETURN 0;
+  END IF;
+  INSERT INTO Q_value (key, payload, delta_us, grace_ms, round, expires_at)
+    VALUES (k, payload_, delta, grace, round_, now_ + lifetime_ms * interval '1 ms')
+    ON CONFLICT (key) DO UPDATE SET payload = EXCLUDED.payload, delta_us = EXCLUDED.delta_us,
+      grace_ms = EXCLUDED.grace_ms, round = EXCLUDED.round, expires_at = EXCLUDED.expires_at,
+      cooldown_until = NULL;
+  PERFORM Q_notify(k, 'v');
+  RETURN 1;
+END $$;
+
+-- Records that round `round_` failed (kept `keep_ms`) if `tok` holds the compute lease, sets
+-- the refresh cooldown if asked (`cooldown_ms` > 0), and wakes the waiters.
+CREATE OR REPLACE FUNCTION Q_cache_fail(k bytea, tok text, message_ text, keep_ms bigint,
+  cooldown_ms bigint, round_ bigint)
+RETURNS int LANGUAGE plpgsql AS $$
+DECLARE
+  now_ timestamptz := clock_timestamp();
+  r Q_lock%ROWTYPE;
+BEGIN
+  SELECT * INTO r FROM Q_lock WHERE key = k FOR UPDATE;
+  IF NOT FOUND OR r.token IS DISTINCT FROM tok OR NOT r.expires_at > now_ THEN
+    RETURN 0;
+  END IF;
+  DELETE FROM Q_failed WHERE key = k AND until <= now_;
+  INSERT INTO Q_failed (key, round, message, until)
+    VALUES (k, round_, message_, now_ + keep_ms * interval '1 ms')
+    ON CONFLICT (key, round) DO UPDATE SET message = EXCLUDED.message, until = EXCLUDED.until;
+  IF cooldown_ms > 0 THEN
+    UPDATE Q_value SET cooldown_until = now_ + cooldown_ms * interval '1 ms' WHERE key = k;
+  END IF;
+  PERFORM Q_notify(k, 'v');
+  RETURN 1;
+END $$;
+
 INSERT INTO Q_meta (id, version) VALUES (1, 1)
   ON CONFLICT (id) DO UPDATE SET version = greatest(Q_meta.version, EXCLUDED.version);
