@@ -108,7 +108,9 @@ impl Commands {
                 match runtime::until(Some(deadline), ran).await {
                     Some(Ok(rows)) => Ok(rows),
                     Some(Err(e)) => {
-                        if live.client.is_closed() {
+                        if live.client.is_closed() || schema_gone(&e) {
+                            // A schema dropped under the connection (its statements name
+                            // functions that are gone): the next one makes it again.
                             s.discard(&live).await;
                         }
                         Err(pg_error(e))
@@ -142,6 +144,13 @@ impl Commands {
             }
         }
     }
+}
+
+/// Whether `e` says the statement's objects are gone (undefined function or table, a plan
+/// that no longer fits).
+fn schema_gone(e: &tokio_postgres::Error) -> bool {
+    e.code()
+        .is_some_and(|c| matches!(c.code(), "42883" | "42P01" | "0A000" | "42704"))
 }
 
 /// Cancels whatever the connection runs, in the background (a statement still waiting for a
@@ -178,21 +187,32 @@ impl Supervised {
         *slot = None;
         let (tx, rx) = futures::channel::oneshot::channel();
         let config = self.config.clone();
+        // The config's connect timeout bounds the socket's connect only: a paused server
+        // accepts the socket and never answers the start-up, so the whole of it is bounded.
+        let limit = config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(Duration::from_secs(5));
         runtime::background().spawn(async move {
-            match config.connect(NoTls).await {
-                Ok((client, connection)) => {
+            match tokio::time::timeout(limit, config.connect(NoTls)).await {
+                Ok(Ok((client, connection))) => {
                     if tx.send(Ok(client)).is_ok() {
                         let _ = connection.await;
                     }
                 }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
+                Ok(Err(e)) => {
+                    let _ = tx.send(Err(pg_error(e)));
+                }
+                Err(_) => {
+                    let _ = tx.send(Err(unavailable(format!(
+                        "postgres: no connection within {limit:?}"
+                    ))));
                 }
             }
         });
         let client = match rx.await {
             Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(pg_error(e)),
+            Ok(Err(e)) => return Err(e),
             Err(_) => return Err(unavailable("postgres: the connection task ended")),
         };
         ensure_schema(&client, &self.names).await?;

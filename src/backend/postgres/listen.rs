@@ -51,7 +51,13 @@ pub(super) async fn run(
 /// One connection's life: connect, `LISTEN`, then hand each notification's key to the hub
 /// until the connection ends. Whether it subscribed.
 async fn session(config: &tokio_postgres::Config, listen: &str, hub: &Arc<Hub>) -> bool {
-    let Ok((client, mut connection)) = config.connect(NoTls).await else {
+    // Bounded as a whole: a paused server accepts the socket and never answers.
+    let limit = config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(Duration::from_secs(5));
+    let Ok(Ok((client, mut connection))) = tokio::time::timeout(limit, config.connect(NoTls)).await
+    else {
         return false;
     };
     let (tx, mut rx) = mpsc::unbounded::<String>();
@@ -68,8 +74,9 @@ async fn session(config: &tokio_postgres::Config, listen: &str, hub: &Arc<Hub>) 
             }
         }
     });
-    if client.batch_execute(listen).await.is_err() {
-        return false;
+    match tokio::time::timeout(limit, client.batch_execute(listen)).await {
+        Ok(Ok(())) => {}
+        _ => return false,
     }
     // Subscribed: releases from now on are heard. Waiters that subscribed before the break
     // look again (their notification may have been lost).

@@ -592,6 +592,10 @@ BEGIN
     ON CONFLICT (key) DO UPDATE SET payload = EXCLUDED.payload, delta_us = EXCLUDED.delta_us,
       grace_ms = EXCLUDED.grace_ms, round = EXCLUDED.round, expires_at = EXCLUDED.expires_at,
       cooldown_until = NULL;
+  IF random() < 0.01 THEN
+    -- Values of names nobody asks for any more.
+    DELETE FROM Q_value WHERE expires_at < now_ - interval '1 hour';
+  END IF;
   PERFORM Q_notify(k, 'v');
   RETURN 1;
 END $$;
