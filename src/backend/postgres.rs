@@ -171,17 +171,47 @@ impl PostgresOptions {
     }
 }
 
-/// Leases in a PostgreSQL database (9.5 or later; tested on 15), behind the `postgres`
-/// feature.
+/// Leases in a PostgreSQL database (tested on 15; needs 10 or later), behind the
+/// `postgres` feature.
 ///
 /// The tables and functions are created on first use (in [`PostgresOptions::schema`], named
-/// after [`PostgresOptions::table_prefix`]); the connecting role needs the right to create
-/// them there, or an administrator runs the first connection. Expiry uses the server's clock.
-/// Leases are as durable as the database's commits: they survive a server restart (a
-/// lease whose TTL ran out while the server was down is free when it comes back).
+/// after [`PostgresOptions::table_prefix`], under an advisory lock, with a schema version);
+/// the connecting role needs the right to create them there, or an administrator makes the
+/// first connection. Expiry uses the server's clock only.
 ///
-/// Serves plain leases (see [`capabilities`](Backend::capabilities)); it is one logical store,
-/// so it is not a [`Redlock`](crate::Redlock) node.
+/// Serves every kind of claim (fair, reentrant, reads and permits; see
+/// [`capabilities`](Backend::capabilities)); it is one logical store, so it is not a
+/// [`Redlock`](crate::Redlock) node.
+///
+/// # What it guarantees
+///
+/// - A lease is a committed row: it survives a server restart or crash (a lease whose TTL
+///   ran out meanwhile is free when the server is back; a holder that kept it is told
+///   nothing, one that lost it is told `lost()`). It is as durable as the server's commits:
+///   with `fsync = off` or `synchronous_commit = off` a machine crash can forget a grant and
+///   hand it out again. Behind a replica failover, only a synchronous replica has every grant.
+/// - Fencing tokens are `max(last + 1, server clock in µs)` per name: strictly increasing,
+///   also after the tables were dropped or the database restored from a backup (as long as
+///   the server's clock does not go back).
+/// - A call whose connection broke may still commit later on the server (it keeps running
+///   until it next writes to the socket). A give-up after such a call (an abandon) bars its
+///   token, so a late grant is either refused or ended by the abandon; each acquire and
+///   release carries a send number, so a late copy never undoes a later operation.
+/// - Wake-ups use `LISTEN`/`NOTIFY` on a connection of the backend's own. While that
+///   connection is down notifications are lost: when it is back every local waiter looks
+///   again and [`disturbed`](Backend::disturbed) resolves (the watchdog re-checks every
+///   lease).
+///
+/// # What it costs
+///
+/// One round trip per acquire attempt, release, inspect and fence raise (one function call,
+/// one short transaction on the name's row); one per watchdog round for any number of
+/// leases; none to subscribe. Two connections per backend (commands and the listener), or
+/// the application's pool for commands and one listener connection. A release sends a
+/// `NOTIFY` only while waiters are registered (a commit that notifies takes a lock shared
+/// by every notifying transaction of the database). Every acquire and release is a commit:
+/// with `fsync` on, its cost is the server's WAL flush. Each name keeps a row (its fence)
+/// for good.
 ///
 /// ```no_run
 /// use redlease::{LockManager, PostgresBackend};
