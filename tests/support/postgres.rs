@@ -2,6 +2,10 @@
 //! data directory in a temp dir, a free loopback port, `fsync=off`, run as the `postgres`
 //! user (initdb and postgres refuse root). Killed and removed on drop.
 //!
+//! The data directory is copied from one `initdb` per test process (its template is left in
+//! the temp dir, and removed, with anything else a test process that is gone left behind,
+//! by the next test process).
+//!
 //! `fsync=off` loses nothing when a process is killed (the OS keeps the written pages); only
 //! a machine crash could, which no test makes. Commits stay synchronous, so a grant that was
 //! answered is never forgotten by a restart.
@@ -51,7 +55,46 @@ fn chown(path: &Path) {
     assert!(ok, "chown -R postgres {}", path.display());
 }
 
+/// Removes what test processes that are gone left behind (a process killed before its
+/// servers were dropped): their servers are killed, their directories removed.
+fn sweep_stale() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("redlease-pg-") else {
+                continue;
+            };
+            let Some(owner) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
+            if owner == std::process::id() || Path::new(&format!("/proc/{owner}")).exists() {
+                continue; // the owning test process is still alive
+            }
+            let data = entry.path().join("data");
+            let pid = fs::read_to_string(data.join("postmaster.pid"))
+                .ok()
+                .and_then(|t| t.lines().next().and_then(|l| l.trim().parse::<u32>().ok()));
+            if let Some(pid) = pid {
+                // Only a postmaster running in that very directory.
+                let cwd = fs::read_link(format!("/proc/{pid}/cwd")).ok();
+                if cwd.is_some() && cwd == fs::canonicalize(&data).ok() {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &pid.to_string()])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+            let _ = fs::remove_dir_all(entry.path());
+        }
+    });
+}
+
 fn fresh_dir(what: &str) -> PathBuf {
+    sweep_stale();
     static N: Mutex<u64> = Mutex::new(0);
     let n = {
         let mut n = N.lock().unwrap_or_else(|p| p.into_inner());
