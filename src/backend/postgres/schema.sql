@@ -454,10 +454,13 @@ END $$;
 CREATE OR REPLACE FUNCTION Q_extend(keys bytea[], toks text[], ttls bigint[])
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
+  -- The names' rows, locked in key order first: two processes extending overlapping names
+  -- (reads of the same locks) never wait for each other in a cycle.
+  PERFORM 1 FROM Q_lock WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
   RETURN QUERY
   UPDATE Q_lock l SET expires_at = clock_timestamp() + u.ttl * interval '1 ms'
   FROM (SELECT * FROM unnest(keys, toks, ttls) WITH ORDINALITY AS x(k, t, ttl, i)
-        WHERE left(x.t, 1) <> 's' ORDER BY x.k) u
+        WHERE left(x.t, 1) <> 's') u
   WHERE l.key = u.k AND l.token = u.t AND l.expires_at > clock_timestamp()
   RETURNING u.i;
   IF EXISTS (SELECT 1 FROM unnest(toks) t WHERE left(t, 1) = 's') THEN
