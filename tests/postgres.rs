@@ -496,6 +496,58 @@ async fn a_backend_over_an_application_pool() {
     assert!(next.fencing_token() > 0);
 }
 
+/// A name too long for a notification's payload (10 KB): its release still wakes the waiter
+/// (every local waiter is woken then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_a_very_long_name_wakes_its_waiter() {
+    let srv = PgServer::start();
+    let a = srv.backend().await;
+    let b = srv.backend().await;
+    let name = "n".repeat(10 * 1024);
+    let holder = claim(&name, Duration::from_secs(10));
+    let waiter = claim(&name, Duration::from_secs(10));
+    granted(&a, &holder).await;
+    let wait = Attempt::Waiting {
+        recheck: Duration::from_secs(10),
+    };
+    assert!(matches!(
+        b.acquire(&waiter, wait, NodeTerms::new()).await.unwrap(),
+        Acquire::Held { .. }
+    ));
+    let sub = b.subscribe(&waiter).await.unwrap();
+    let woken = sub.listen();
+    a.release(
+        &holder,
+        Release::Confirmed {
+            lease: &holder.token,
+        },
+    )
+    .await
+    .unwrap();
+    within("the waiter's wake-up", woken).await;
+    assert!(matches!(
+        b.acquire(&waiter, wait, NodeTerms::new()).await.unwrap(),
+        Acquire::Granted(_)
+    ));
+}
+
+/// `raise_fence` raises the counter (never lowers it): the next grant mints above it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raise_fence_raises_the_next_token_and_never_lowers_it() {
+    let srv = PgServer::start();
+    let b = srv.backend().await;
+    let key = LeaseKey::new("t:", "r");
+    let far = 1u64 << 60;
+    b.raise_fence(&key, far).await.unwrap();
+    b.raise_fence(&key, 5).await.unwrap();
+    let c = claim("r", Duration::from_secs(10));
+    assert_eq!(granted(&b, &c).await, far + 1);
+    assert!(
+        !b.capabilities().node,
+        "one logical store: not a Redlock node"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // The stampede cache on PostgreSQL.
 // ---------------------------------------------------------------------------------------
