@@ -229,7 +229,6 @@ pub struct PostgresBackend {
 }
 
 struct Inner {
-    names: Names,
     opts: PostgresOptions,
     commands: Commands,
     hub: Arc<Hub>,
@@ -544,7 +543,6 @@ impl PostgresBackend {
         Ok(PostgresBackend {
             inner: Arc::new(Inner {
                 target: target(&listener),
-                names,
                 opts,
                 commands,
                 hub,
@@ -581,6 +579,12 @@ impl PostgresBackend {
     /// How many keys this backend's waiters are subscribed to now (lock releases, fair
     /// hand-offs and cached values each count): for tests, which cannot see a waiter on the
     /// server (subscriptions are local, behind the one listener).
+    ///
+    /// ```no_run
+    /// # async fn run(store: redlease::PostgresBackend) {
+    /// assert_eq!(store.subscribed_keys(), 0); // nobody waits in this process
+    /// # }
+    /// ```
     #[doc(hidden)]
     pub fn subscribed_keys(&self) -> usize {
         let hub = &self.inner.hub;
@@ -589,12 +593,6 @@ impl PostgresBackend {
             m.values().filter(|e| e.strong_count() > 0).count()
         };
         live(&hub.events) + live(&hub.targets)
-    }
-
-    /// The channel releases are notified on (for tests and operators).
-    #[doc(hidden)]
-    pub fn channel(&self) -> &str {
-        &self.inner.names.channel
     }
 
     fn unsupported(&self, kind: &ClaimKind) -> Result<()> {

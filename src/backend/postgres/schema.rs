@@ -43,7 +43,7 @@ pub(super) struct Names {
     prefix: String,
     schema: String,
     /// The notification channel (a release while waiters are registered).
-    pub(super) channel: String,
+    channel: String,
 }
 
 impl Names {
