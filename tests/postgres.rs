@@ -548,6 +548,45 @@ async fn raise_fence_raises_the_next_token_and_never_lowers_it() {
     );
 }
 
+/// Outside any runtime (a plain executor): the client's tasks run on the crate's own runtime,
+/// and a waiter is woken by a release as on tokio.
+#[test]
+fn works_outside_a_tokio_runtime() {
+    let srv = PgServer::start();
+    let url = srv.url();
+    futures::executor::block_on(async {
+        let a = LockManager::new(PostgresBackend::connect(&url).await.unwrap());
+        let b = LockManager::new(PostgresBackend::connect(&url).await.unwrap());
+        let held = a.lock("off").acquire().await.unwrap();
+        assert!(b.lock("off").try_acquire().await.unwrap().is_none());
+        let waiter = b.lock("off");
+        let waiting = async move { waiter.acquire_timeout(Duration::from_secs(10)).await };
+        let release = async move { held.release().await };
+        let (got, released) = futures::join!(waiting, release);
+        released.unwrap();
+        got.unwrap().release().await.unwrap();
+    });
+}
+
+/// On smol: the same.
+#[cfg(feature = "smol")]
+#[test]
+fn works_on_smol() {
+    let srv = PgServer::start();
+    let url = srv.url();
+    smol::block_on(async {
+        let a = LockManager::new(PostgresBackend::connect(&url).await.unwrap());
+        let b = LockManager::new(PostgresBackend::connect(&url).await.unwrap());
+        let held = a.lock("smol").acquire().await.unwrap();
+        let waiter = smol::spawn({
+            let lock = b.lock("smol");
+            async move { lock.acquire_timeout(Duration::from_secs(10)).await }
+        });
+        held.release().await.unwrap();
+        waiter.await.unwrap().release().await.unwrap();
+    });
+}
+
 // ---------------------------------------------------------------------------------------
 // The stampede cache on PostgreSQL.
 // ---------------------------------------------------------------------------------------
