@@ -1,13 +1,16 @@
-//! `PostgresBackend`: leases in a PostgreSQL table, behind the `postgres` feature.
+//! `PostgresBackend`: leases in PostgreSQL tables, behind the `postgres` feature.
 //!
 //! One row per lock name (`<prefix>lock`: token, expiry on the server's clock, the send number
 //! of the operation that last touched it, the fencing counter, the holder's label, the token
-//! released last, until when waiters want a notification), and one row per abandoned attempt
-//! (`<prefix>barred`). Every operation is one call of a PL/pgSQL function (`schema.sql`): one
-//! round trip, one short transaction that locks the name's row. Releases notify a channel
-//! (`LISTEN`/`NOTIFY`, delivered at commit) while waiters are registered; each backend keeps
-//! one connection of its own listening on it (`listen.rs`), and commands go over a second
-//! connection that it re-opens when it breaks (`conn.rs`), or over an application's pool.
+//! released last, until when waiters, writers and sharers wait, a reentrant reign's owner),
+//! beside rows for abandoned attempts (`barred`), fair waiters (`queue`), a reign's holds
+//! (`hold`), reads and permits (`shared`), waiting writers (`writer`) and the cache's values
+//! (`value`, `failed`). Every operation is one call of a PL/pgSQL function (`schema.sql`): one
+//! round trip, one short transaction that locks the name's row first. Releases notify a
+//! channel (`LISTEN`/`NOTIFY`, delivered at commit) while waiters are registered; each backend
+//! keeps one connection of its own listening on it (`listen.rs`), and commands go over a
+//! second connection that it re-opens when it breaks (`conn.rs`), or over an application's
+//! pool.
 //!
 //! Fences are `max(last + 1, server clock in µs)`, so a database restored from an old backup
 //! or created again still mints larger ones (as the Redis backend's).
