@@ -19,6 +19,8 @@ use crate::token::{LeaseKey, Owner, Token};
 #[cfg(feature = "etcd")]
 mod etcd;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod redis;
 mod redlock;
 mod subscription;
@@ -27,6 +29,8 @@ pub(crate) mod values;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdBackend, EtcdOptions};
 pub use memory::MemoryBackend;
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "tls")]
 pub use redis::TlsOptions;
 pub use redis::{FencedWrite, RedisBackend, RedisOptions, ReplicaAck, Transport};

@@ -173,6 +173,8 @@ pub use backend::{
 };
 #[cfg(feature = "etcd")]
 pub use backend::{EtcdBackend, EtcdOptions};
+#[cfg(feature = "postgres")]
+pub use backend::{PostgresBackend, PostgresOptions};
 pub use error::{BoxError, Error, Result};
 /// The notification primitive behind [`Subscription`](backend::Subscription), re-exported for
 /// backend authors.

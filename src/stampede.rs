@@ -269,10 +269,10 @@ mod sealed {
     }
 }
 
-/// A backend a [`Cache`] can keep values in: [`RedisBackend`] (across processes),
-/// `EtcdBackend` (across processes, with the `etcd` feature) or [`MemoryBackend`] (one
-/// process). Sealed: the cache needs a fenced write and fill
-/// notifications, which the [`Backend`](crate::Backend) trait does not have.
+/// A backend a [`Cache`] can keep values in: [`RedisBackend`], `EtcdBackend` (feature
+/// `etcd`) or `PostgresBackend` (feature `postgres`), across processes, or [`MemoryBackend`]
+/// (one process). Sealed: the cache needs a fenced write and fill notifications, which the
+/// [`Backend`](crate::Backend) trait does not have.
 ///
 /// ```
 /// use redlease::{Cache, CacheBackend, MemoryBackend};
@@ -307,6 +307,15 @@ impl sealed::Sealed for crate::backend::EtcdBackend {
 }
 #[cfg(feature = "etcd")]
 impl CacheBackend for crate::backend::EtcdBackend {}
+
+#[cfg(feature = "postgres")]
+impl sealed::Sealed for crate::backend::PostgresBackend {
+    fn into_store(self) -> sealed::StoreHandle {
+        sealed::StoreHandle(Arc::new(self.values()))
+    }
+}
+#[cfg(feature = "postgres")]
+impl CacheBackend for crate::backend::PostgresBackend {}
 
 /// Counters of one [`Cache`] (this process only), from [`Cache::stats`].
 ///

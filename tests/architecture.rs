@@ -114,6 +114,14 @@ const CONFINED_CRATES: &[(&str, &[&str])] = &[
         ],
     ),
     ("etcd_client", &["src/backend/etcd.rs", "src/backend/etcd/"]),
+    (
+        "tokio_postgres",
+        &["src/backend/postgres.rs", "src/backend/postgres/"],
+    ),
+    (
+        "deadpool_postgres",
+        &["src/backend/postgres.rs", "src/backend/postgres/"],
+    ),
 ];
 
 /// Source paths that are other crates using the public API only: no `crate::` at all, and

@@ -2,6 +2,7 @@
 //! redis-server and on a local Redis Cluster of three primaries, and as Redlock over three
 //! memory stores and over three redis-servers (the Redis ones through fred, and again through
 //! redis-rs with the `redis-rs` feature), and on a one-member etcd with the `etcd` feature.
+//! redis-rs with the `redis-rs` feature), and on a PostgreSQL server with the `postgres` feature.
 
 mod support;
 
@@ -25,6 +26,8 @@ enum Store {
     RedlockRedis(Vec<RedisServer>, Transport),
     #[cfg(feature = "etcd")]
     Etcd(support::EtcdServer),
+    #[cfg(feature = "postgres")]
+    Postgres(support::PgServer),
 }
 
 /// Fresh test servers have been up for under a second: the restart guard (tested in
@@ -65,6 +68,11 @@ impl Store {
         Store::Etcd(support::EtcdServer::start())
     }
 
+    #[cfg(feature = "postgres")]
+    fn postgres() -> Self {
+        Store::Postgres(support::PgServer::start())
+    }
+
     fn redlock_memory() -> Self {
         Store::RedlockMemory((0..3).map(|_| MemoryBackend::new()).collect())
     }
@@ -101,6 +109,8 @@ impl Store {
                     .await
                     .unwrap(),
             ),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => Arc::new(srv.backend().await),
             Store::RedlockMemory(nodes) => {
                 Arc::new(Redlock::with_options(nodes.clone(), redlock_options()).unwrap())
             }
@@ -583,6 +593,15 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::etcd()).await
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::postgres()).await
                 }
             )*
         }

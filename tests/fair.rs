@@ -41,6 +41,8 @@ enum Store {
     Redis(RedisServer),
     #[cfg(feature = "etcd")]
     Etcd(support::EtcdServer),
+    #[cfg(feature = "postgres")]
+    Postgres(support::PgServer),
 }
 
 impl Store {
@@ -57,6 +59,11 @@ impl Store {
         Store::Etcd(support::EtcdServer::start())
     }
 
+    #[cfg(feature = "postgres")]
+    fn postgres() -> Self {
+        Store::Postgres(support::PgServer::start())
+    }
+
     async fn backend(&self) -> Arc<dyn Backend> {
         match self {
             Store::Memory(m) => Arc::new(m.clone()),
@@ -66,6 +73,8 @@ impl Store {
             }
             #[cfg(feature = "etcd")]
             Store::Etcd(srv) => Arc::new(srv.backend().await),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => Arc::new(srv.backend().await),
         }
     }
 
@@ -80,6 +89,17 @@ impl Store {
             Store::Redis(srv) => srv.cmd(&["LLEN", &key.derived("queue")]).as_int(),
             #[cfg(feature = "etcd")]
             Store::Etcd(srv) => Some(srv.queued(key)),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => srv
+                .psql(&format!(
+                    "SELECT count(*) FROM redlease_queue WHERE key = decode('{}', 'hex')",
+                    key.as_str()
+                        .bytes()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                ))
+                .parse()
+                .ok(),
         }
     }
 
@@ -516,6 +536,15 @@ macro_rules! both {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     super::$case(super::Store::etcd()).await
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::Store::postgres()).await
                 }
             )*
         }

@@ -59,6 +59,21 @@ impl Store {
                 let key = rw.reader().key().as_str();
                 support::int_field(srv, key, flag).is_some_and(|v| v > support::server_ms(srv))
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => {
+                let column = if flag == "v" {
+                    "writers_until"
+                } else {
+                    "sharers_until"
+                };
+                let hex: String = (rw.reader().key().as_str().bytes())
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                srv.psql(&format!(
+                    "SELECT count(*) FROM redlease_lock WHERE key = decode('{hex}', 'hex') \
+                     AND {column} > clock_timestamp()"
+                )) == "1"
+            }
         }
     }
 
@@ -1759,5 +1774,70 @@ async fn a_claim_with_another_kinds_token_is_refused() {
                 "{kind:?}: expected InvalidConfig, got {got:?}"
             );
         }
+    }
+}
+
+/// The cases above that take a store, on PostgreSQL.
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+
+    /// The checker, as in memory: 16 readers and 2 writers in 3 managers, 2 readers
+    /// crashing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn checker_readers_and_writers() {
+        let store = Store::postgres();
+        let plan = Plan {
+            managers: 3,
+            readers: 16,
+            writers: 2,
+            reads_each: 40,
+            writes_each: 20,
+            crashes: 2,
+            kills: 0,
+            ttl: secs(1),
+        };
+        let f = run_checker(&store, plan).await;
+        check_figures("postgres checker", plan, &f);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writer_is_not_starved_by_a_stream_of_readers() {
+        super::writer_is_not_starved_by_a_stream_of_readers(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn write_tokens_exceed_every_earlier_token() {
+        super::write_tokens_exceed_every_earlier_token(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_writers_preference_lapses_whatever_its_max_delay() {
+        super::a_dead_writers_preference_lapses_whatever_its_max_delay(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_writer_that_gives_up_withdraws_its_preference() {
+        super::a_writer_that_gives_up_withdraws_its_preference(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn single_attempts() {
+        super::single_attempts(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plain_lock_is_the_writer() {
+        super::plain_lock_is_the_writer(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writer_is_served_when_a_crashed_write_runs_out() {
+        super::writer_is_served_when_a_crashed_write_runs_out(Store::postgres(), false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writer_is_served_when_a_crashed_write_runs_out_beside_a_read() {
+        super::writer_is_served_when_a_crashed_write_runs_out(Store::postgres(), true).await;
     }
 }

@@ -1489,3 +1489,77 @@ async fn a_late_copy_of_a_released_permits_attempt_is_not_granted() {
         .expect("semaphore");
     assert_eq!(live(&pool).await, 1, "only the other permit is held");
 }
+
+/// The cases above that take a store, on PostgreSQL.
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+
+    /// The checker, smaller than in memory: at most 4 permit holders among 2 × 8 tasks,
+    /// holders crashing now and then.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn checker_at_most_n_holders_with_crashes() {
+        let store = Store::postgres();
+        let run = CheckerRun {
+            managers: 2,
+            tasks_per_manager: 8,
+            permits: 4,
+            sections: 400,
+            ttl: ms(1000),
+            crash_every: 50,
+            kills_at: &[],
+        };
+        checker_run(&store, run, "postgres checker").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn crashed_permits_come_back_within_their_ttl() {
+        super::crashed_permits_come_back_within_their_ttl(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_permits_are_extended_past_several_ttls_beside_crashed_ones() {
+        super::live_permits_are_extended_past_several_ttls_beside_crashed_ones(Store::postgres())
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inspect_counts_permits_and_names_their_holders() {
+        super::inspect_counts_permits_and_names_their_holders(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_acquirer_counts_with_its_own_permits() {
+        super::each_acquirer_counts_with_its_own_permits(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn semaphores_exclude_other_kinds_of_lock() {
+        super::semaphores_exclude_other_kinds_of_lock(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_permit_has_a_greater_fencing_token() {
+        super::each_permit_has_a_greater_fencing_token(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropped_waiters_leave_no_permit_behind() {
+        super::dropped_waiters_leave_no_permit_behind(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zero_permits_and_fair_semaphores_are_refused() {
+        super::zero_permits_and_fair_semaphores_are_refused(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_permit_not_extended_is_lost_and_its_release_says_so() {
+        super::a_permit_not_extended_is_lost_and_its_release_says_so(Store::postgres()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_release_wakes_a_local_waiter_that_can_use_the_permit() {
+        super::a_release_wakes_a_local_waiter_that_can_use_the_permit(Store::postgres()).await;
+    }
+}

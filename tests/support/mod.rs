@@ -24,6 +24,8 @@ mod checker;
 mod cluster;
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod proxy;
 mod record;
 mod sentinel;
@@ -38,6 +40,8 @@ pub use checker::{Checker, Section};
 pub use cluster::RedisCluster;
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdServer;
+#[cfg(feature = "postgres")]
+pub use postgres::PgServer;
 pub use proxy::Proxy;
 pub use record::{field, held, holder, int_field, lease_ms, plant, server_ms, LEASE};
 pub use sentinel::RedisSentinels;

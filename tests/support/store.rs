@@ -24,6 +24,9 @@ pub async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
 pub enum Store {
     Memory(MemoryBackend),
     Redis(Arc<RedisServer>),
+    /// A PostgreSQL server (each manager its own connections).
+    #[cfg(feature = "postgres")]
+    Postgres(Arc<super::PgServer>),
 }
 
 impl Store {
@@ -35,11 +38,27 @@ impl Store {
         Store::Redis(Arc::new(RedisServer::start()))
     }
 
+    #[cfg(feature = "postgres")]
+    pub fn postgres() -> Self {
+        Store::Postgres(Arc::new(super::PgServer::start()))
+    }
+
     /// The server, on Redis.
     pub fn server(&self) -> Option<&Arc<RedisServer>> {
         match self {
             Store::Memory(_) => None,
             Store::Redis(srv) => Some(srv),
+            #[cfg(feature = "postgres")]
+            Store::Postgres(_) => None,
+        }
+    }
+
+    /// The server, on PostgreSQL.
+    #[cfg(feature = "postgres")]
+    pub fn pg(&self) -> Option<&Arc<super::PgServer>> {
+        match self {
+            Store::Postgres(srv) => Some(srv),
+            _ => None,
         }
     }
 
@@ -57,6 +76,15 @@ impl Store {
                         .unwrap_or_else(|e| panic!("connect to {}: {e}", srv.url())),
                 )
             }
+            #[cfg(feature = "postgres")]
+            Store::Postgres(srv) => Arc::new(
+                srv.backend_with(
+                    redlease::PostgresOptions::new()
+                        .command_timeout(Duration::from_millis(500))
+                        .connect_timeout(Duration::from_secs(2)),
+                )
+                .await,
+            ),
         }
     }
 
