@@ -1,5 +1,6 @@
 //! The store layer: the [`Backend`] trait, the [`Claim`] every operation takes, and the
-//! stores that implement it ([`RedisBackend`], [`MemoryBackend`], [`Redlock`]).
+//! stores that implement it ([`RedisBackend`], [`MemoryBackend`], [`Redlock`], and with their
+//! features `EtcdBackend` and `PostgresBackend`).
 //!
 //! Users need this module only to write a store of their own, or to call one directly: the
 //! lock layer ([`LockManager`](crate::LockManager), [`Lock`](crate::Lock)) builds the claims

@@ -134,6 +134,13 @@
 //! redis-rs instead, and `RedisBackend::from_redis_client` builds a backend from an
 //! application's redis-rs client.
 //!
+//! # Beyond Redis
+//!
+//! The same locks run on etcd v3 (`EtcdBackend`, feature `etcd`: a grant is a consensus
+//! write; plain, fair and reentrant locks and the cache) and on PostgreSQL
+//! (`PostgresBackend`, feature `postgres`: leases in tables created on first use; every
+//! lock kind and the cache). The README says what each guarantees and costs.
+//!
 //! # Writing a store
 //!
 //! The [`backend`] module holds what a store implements: the [`Backend`] trait (seven

@@ -83,6 +83,28 @@ const FORBIDDEN: &[Forbid] = &[
               connect.rs picks the client a backend is opened with",
     },
     Forbid {
+        from: "backend::etcd",
+        except: &[],
+        to: &[
+            "backend::redis",
+            "backend::memory",
+            "backend::redlock",
+            "backend::postgres",
+        ],
+        why: "a store knows no other store",
+    },
+    Forbid {
+        from: "backend::postgres",
+        except: &[],
+        to: &[
+            "backend::redis",
+            "backend::memory",
+            "backend::redlock",
+            "backend::etcd",
+        ],
+        why: "a store knows no other store",
+    },
+    Forbid {
         from: "backend::redis::transport::fred",
         except: &[],
         to: &["backend::redis::transport::redis_rs"],
