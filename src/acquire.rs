@@ -317,11 +317,11 @@ impl<'a> Attempts<'a> {
                 };
                 backend.release(&self.pending.claim, lease).await?;
                 self.pending.armed = false;
-                if matches!(self.target.kind, ClaimKind::Read | ClaimKind::Permit(_)) {
-                    // A shared hold's released token stays refused (its re-sent release is
-                    // answered "released"): the next attempt goes with a fresh one.
-                    self.pending.claim.token = Self::token(self.target);
-                }
+                // A released token may stay refused on the store, so that a re-sent release
+                // is answered "released" again (a shared hold's on Redis; every kind's on
+                // etcd, whose tombstone bars the token): the next attempt goes with a fresh
+                // one, whatever the kind.
+                self.pending.claim.token = Self::token(self.target);
                 tracing::warn!(key = %self.target.key, late = ?sent_at.elapsed(), "a grant came back after its validity; given back");
                 Tried::Held(Some(Duration::ZERO))
             }

@@ -514,8 +514,8 @@ impl Extended {
 ///   (compare-and-delete; a reentrant hold counts down first), and wakes the key's
 ///   subscribers.
 /// - **Send order.** Calls for one claim are made in order (the engine awaits a give-back
-///   before it tries again with the same token; a Redlock round's clean-up is made before
-///   its next round), but a copy of a command re-sent after a reconnect may run after a
+///   before it tries again, with a fresh token; a Redlock round's clean-up is made before
+///   its next round, with the same token), but a copy of a command re-sent after a reconnect may run after a
 ///   later one. A store where that can happen numbers each operation as it is made and
 ///   keeps the number with the lease: a release ends only a lease granted by an acquire made
 ///   before it (a late copy of an earlier release changes nothing and answers `None`), and

@@ -72,10 +72,13 @@ async fn restart_keeps_the_holder_and_wakes_the_waiter() {
         .unwrap();
     let disturbed = watching.disturbed();
     let waiting = b.lock("k");
+    let key = waiting.key().clone();
     let waiter =
         tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(30)).await });
-    // The waiter's first attempts and its watch are made meanwhile (no event to await).
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        wait_for_async(SOON, || srv.waiters(&key) > 0).await,
+        "the waiter subscribed and registered"
+    );
     srv.restart();
     // The watchdog checks every lease after the reconnect: the lease is still there.
     let before = a.watchdog_stats().extended;
@@ -170,9 +173,13 @@ async fn a_cut_watch_stream_is_reopened() {
     let held = a.lock("k").acquire().await.unwrap();
     let other = a.lock("j").acquire().await.unwrap();
     let waiting = b.lock("k");
+    let key = waiting.key().clone();
     let waiter =
         tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(30)).await });
-    tokio::time::sleep(Duration::from_millis(200)).await; // the waiter subscribes meanwhile
+    assert!(
+        wait_for_async(SOON, || srv.waiters(&key) > 0).await,
+        "the waiter subscribed and registered"
+    );
     proxy.cut_clients();
     within("disturbed() after the cut", disturbed).await;
     // Listened to after the stream came back: only a re-created watch wakes it (the waiter
@@ -447,6 +454,84 @@ async fn validity_is_the_claims_ttl_not_the_rounded_one() {
     );
 }
 
+/// An etcd store whose first grant answers after the grant's validity (this process, or the
+/// way back, paused in between): what the engine gives back.
+#[derive(Debug)]
+struct LateFirstGrant {
+    inner: EtcdBackend,
+    /// The fencing token of the grant answered late, once there was one.
+    late: std::sync::Mutex<Option<u64>>,
+}
+
+#[async_trait::async_trait]
+impl support::Wrap for LateFirstGrant {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
+    }
+
+    async fn acquire(
+        &self,
+        claim: &Claim,
+        attempt: Attempt,
+        terms: NodeTerms,
+    ) -> redlease::Result<Acquire> {
+        let answer = self.inner.acquire(claim, attempt, terms).await?;
+        if let Acquire::Granted(g) = &answer {
+            let first = {
+                let mut late = self.late.lock().unwrap();
+                late.is_none()
+                    .then(|| *late = Some(g.fencing_token))
+                    .is_some()
+            };
+            if first {
+                // The pause itself: the answer is to come back after the validity.
+                tokio::time::sleep(g.validity + Duration::from_millis(100)).await;
+            }
+        }
+        Ok(answer)
+    }
+}
+
+/// A grant that came back after its validity is given back by the engine, and the next
+/// attempt is granted while the lock is free. The give-back's tombstone bars its token on
+/// etcd (so that a re-sent release is answered again), and the engine tried again with the
+/// same token: refused for the tombstone's minutes, it waited out the caller's whole limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_given_back_late_is_granted_again() {
+    let srv = EtcdServer::start();
+    let store = Arc::new(support::Wrapped(LateFirstGrant {
+        inner: srv.backend().await,
+        late: std::sync::Mutex::new(None),
+    }));
+    let ttl = Duration::from_secs(1);
+    let m = LockManager::with_options(store.clone(), LockOptions::new().ttl(ttl)).unwrap();
+    let guard = m
+        .lock("late-grant")
+        .acquire_timeout(SOON)
+        .await
+        .expect("granted again after the give-back, the lock being free");
+    let late = store
+        .late
+        .lock()
+        .unwrap()
+        .expect("a grant was answered late");
+    assert!(
+        guard.fencing_token() > late,
+        "a new grant, after the one given back"
+    );
+    let other = manager(&srv, opts()).await;
+    assert!(
+        other
+            .lock("late-grant")
+            .try_acquire()
+            .await
+            .unwrap()
+            .is_none(),
+        "the guard holds the lock"
+    );
+    guard.release().await.expect("release");
+}
+
 /// Malformed endpoints are refused with `InvalidConfig`; an endpoint nobody listens on fails
 /// within the connect timeout, never hangs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -497,8 +582,12 @@ async fn from_an_applications_client() {
     let g = theirs.lock("shared").acquire().await.unwrap();
     assert!(ours.lock("shared").try_acquire().await.unwrap().is_none());
     let waiting = ours.lock("shared");
+    let key = waiting.key().clone();
     let waiter = tokio::spawn(async move { waiting.acquire().await });
-    tokio::time::sleep(Duration::from_millis(100)).await; // the waiter subscribes meanwhile
+    assert!(
+        wait_for_async(SOON, || srv.waiters(&key) > 0).await,
+        "the waiter subscribed and registered"
+    );
     let fence = g.fencing_token();
     g.release().await.unwrap();
     let next = within("the hand-off", waiter).await.unwrap().unwrap();

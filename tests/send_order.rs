@@ -4,12 +4,13 @@
 //!
 //! fred re-sends the commands in flight when a connection drops, and a copy written to the
 //! old connection may still run later (it waited in the server's socket buffer, or in a
-//! network that heals). When the engine gives a late grant back and tries again with the same
+//! network that heals). When the engine gave a late grant back and tried again with the same
 //! token, such a late copy of the give-back's release used to end the new lease while its
 //! guard still counted it valid: two valid guards. These tests make that happen on real
 //! servers, with the proxy holding the first copy back, and call the scripts in the stale
-//! order directly for every kind of claim. A read or a permit given back takes a fresh token
-//! for its next attempt (a released shared token stays refused).
+//! order directly for every kind of claim (the store's guard, whoever sends the stale
+//! order). A claim given back now takes a fresh token for its next attempt, whatever its
+//! kind (a released token may stay refused on a store, as a shared one does on Redis).
 
 mod support;
 
@@ -415,8 +416,8 @@ async fn a_release_delivered_late_after_a_reconnect_leaves_the_next_grant_of_its
 
 /// The whole path: a grant read after its validity is given back by the engine, whose
 /// release is held on its connection; the connection drops, the re-sent release runs, the
-/// engine's next attempt with the same token is granted, and then the held copy runs. The
-/// guard must stay the only holder, and its extensions must keep working.
+/// engine's next attempt is granted, and then the held copy runs. The guard must stay the
+/// only holder, and its extensions must keep working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_grant_given_back_and_granted_again_keeps_its_guard_the_only_holder() {
     let srv = RedisServer::start();
@@ -476,7 +477,7 @@ async fn a_late_grant_given_back_and_granted_again_keeps_its_guard_the_only_hold
 /// next attempt must be granted while another holder keeps the semaphore in use. A shared
 /// hold's released token stays refused (so that its re-sent release is answered
 /// "released"), so the next attempt goes with a fresh token: with the same one, it waited
-/// until the other holder let go.
+/// until the other holder let go (tests/etcd.rs has the same for a plain lock on etcd).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permit_given_back_late_is_granted_again_beside_another_holder() {
     let srv = RedisServer::start();

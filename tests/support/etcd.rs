@@ -186,6 +186,14 @@ impl EtcdServer {
         self.count("q", key)
     }
 
+    /// How many waiters are registered for `key` (an [`Attempt::Waiting`] made after its
+    /// subscription: a registered waiter is woken by a release).
+    ///
+    /// [`Attempt::Waiting`]: redlease::backend::Attempt::Waiting
+    pub fn waiters(&self, key: &redlease::LeaseKey) -> i64 {
+        self.count("w", key)
+    }
+
     /// How many holds `key`'s reentrant reign counts (its hold keys).
     pub fn holds(&self, key: &redlease::LeaseKey) -> i64 {
         self.count("h", key)
