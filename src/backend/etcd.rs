@@ -367,7 +367,9 @@ fn now_us() -> u64 {
 
 /// A claim's TTL as an etcd lease TTL: whole seconds, rounded up, at least 1.
 fn lease_secs(ttl: Duration) -> i64 {
-    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    let secs = ttl
+        .as_secs()
+        .saturating_add(u64::from(ttl.subsec_nanos() > 0));
     i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
 }
 
@@ -1375,6 +1377,8 @@ impl Backend for EtcdBackend {
     /// caller's abandon, whose bar refuses whatever of it comes later.
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         claim.check_token()?;
+        // A TTL past a year is refused, not rounded into an etcd lease it cannot be.
+        crate::options::check_ttl(claim.ttl)?;
         let _ = terms; // not a Redlock node: no floor, no uptime condition
         self.capabilities().check(&claim.kind, self)?;
         let (this, claim) = (self.clone(), claim.clone());

@@ -133,8 +133,14 @@ pub(super) async fn run(settings: Settings, mut cmds: mpsc::UnboundedReceiver<Cm
         let mut asked = false;
         loop {
             let msg = {
-                let tick = Box::pin(runtime::sleep(settings.heartbeat).fuse());
-                let mut tick = tick;
+                // Counted from the last answer heard, not from this pass: commands coming
+                // more often than the heartbeat must not put the check off for ever.
+                let due = if asked {
+                    settings.heartbeat + settings.timeout
+                } else {
+                    settings.heartbeat
+                };
+                let mut tick = Box::pin(runtime::sleep(due.saturating_sub(heard.elapsed())).fuse());
                 let mut c = cmds.next().fuse();
                 let mut r = rx.next().fuse();
                 futures::select! {
@@ -146,7 +152,7 @@ pub(super) async fn run(settings: Settings, mut cmds: mpsc::UnboundedReceiver<Cm
             match msg {
                 Msg::Cmd(None) => return,
                 Msg::Cmd(Some(cmd)) => {
-                    if !command(&mut st, &mut tx, cmd).await {
+                    if !command(&mut st, &mut tx, cmd, settings.timeout).await {
                         break;
                     }
                 }
@@ -157,12 +163,12 @@ pub(super) async fn run(settings: Settings, mut cmds: mpsc::UnboundedReceiver<Cm
                 }
                 Msg::Resp(_) => break,
                 Msg::Tick => {
-                    if asked && heard.elapsed() > settings.heartbeat + settings.timeout {
+                    if asked && heard.elapsed() >= settings.heartbeat + settings.timeout {
                         break;
                     }
                     if heard.elapsed() >= settings.heartbeat && !asked {
                         asked = true;
-                        if in_tokio(tx.request_progress()).await.is_err() {
+                        if !sent(settings.timeout, tx.request_progress()).await {
                             break;
                         }
                     }
@@ -249,7 +255,17 @@ fn unwatch(st: &mut State, key: &[u8]) -> Option<i64> {
 }
 
 /// `false` when the stream broke.
-async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd) -> bool {
+/// Sends a request on the stream within `timeout`: `false` if it failed or the stream took
+/// no more requests (a dead stream whose buffer is full), which ends the stream.
+async fn sent<F, T>(timeout: Duration, send: F) -> bool
+where
+    F: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+{
+    let deadline = Some(Instant::now() + timeout);
+    matches!(runtime::until(deadline, in_tokio(send)).await, Some(Ok(_)))
+}
+
+async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd, timeout: Duration) -> bool {
     match cmd {
         Cmd::Watch {
             key,
@@ -289,10 +305,10 @@ async fn command(st: &mut State, tx: &mut WatchRequestSender, cmd: Cmd) -> bool 
                 },
             );
             st.by_id.insert(id, key.clone());
-            in_tokio(tx.watch(key, Some(opts))).await.is_ok()
+            sent(timeout, tx.watch(key, Some(opts))).await
         }
         Cmd::Unwatch { key } => match unwatch(st, &key) {
-            Some(id) => in_tokio(tx.cancel(id)).await.is_ok(),
+            Some(id) => sent(timeout, tx.cancel(id)).await,
             None => true,
         },
     }
@@ -329,7 +345,7 @@ async fn response(
         e.created = false;
         wake_all(e);
         let opts = watch_options(id, e.prefix);
-        let _ = in_tokio(tx.watch(key.clone(), Some(opts))).await;
+        let _ = sent(settings.timeout, tx.watch(key.clone(), Some(opts))).await;
         return;
     }
     for ev in resp.events() {
