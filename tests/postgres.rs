@@ -11,7 +11,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redlease::backend::{Acquire, Attempt, Backend, Claim, NodeTerms, Release};
+use redlease::backend::{clock_drift, Acquire, Attempt, Backend, Claim, NodeTerms, Release};
 use redlease::{
     Error, LeaseKey, LockManager, LockOptions, PostgresBackend, PostgresOptions, Token,
 };
@@ -494,6 +494,21 @@ async fn a_backend_over_an_application_pool() {
     guard.release().await.unwrap();
     let next = within("the waiter's grant", waiter).await.unwrap().unwrap();
     assert!(next.fencing_token() > 0);
+    let fence = next.fencing_token();
+    next.release().await.unwrap();
+    // The tables dropped under the pool (a database restored or made again): a call fails,
+    // and a later one makes the schema again (it was made once for the pool's life before).
+    srv.psql("DROP TABLE redlease_lock, redlease_barred, redlease_meta CASCADE");
+    let again = within("a grant after the wipe", async {
+        loop {
+            if let Ok(Some(g)) = a.lock("pool").try_acquire().await {
+                return g;
+            }
+            tokio::time::sleep(ms(20)).await;
+        }
+    })
+    .await;
+    assert!(again.fencing_token() > fence, "fences rise after the wipe");
 }
 
 /// A name too long for a notification's payload (10 KB): its release still wakes the waiter
@@ -529,6 +544,31 @@ async fn a_release_of_a_very_long_name_wakes_its_waiter() {
         b.acquire(&waiter, wait, NodeTerms::new()).await.unwrap(),
         Acquire::Granted(_)
     ));
+}
+
+/// A grant and an extension promise the TTL less the drift margin, as on every store: the
+/// server ends the lease on its own clock, the holder counts from the call's start on its
+/// own. (The full TTL was promised: a server clock running 1 % fast ended a 60 s lease
+/// 0.6 s before its holder's deadline.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validity_is_the_ttl_less_the_drift_margin() {
+    let srv = PgServer::start();
+    let b = srv.backend().await;
+    let ttl = Duration::from_secs(60);
+    let c = claim("validity", ttl);
+    let Acquire::Granted(g) = b
+        .acquire(&c, Attempt::Once, NodeTerms::new())
+        .await
+        .expect("acquire")
+    else {
+        panic!("the name is free");
+    };
+    assert_eq!(g.validity, ttl - clock_drift(ttl));
+    let ext = b
+        .extend(&[c.lease(&g.lease)], NodeTerms::new())
+        .await
+        .expect("extend");
+    assert_eq!(ext[0].validity(), Some(ttl - clock_drift(ttl)));
 }
 
 /// `raise_fence` raises the counter (never lowers it): the next grant mints above it.

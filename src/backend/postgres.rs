@@ -387,14 +387,10 @@ fn kind_args(kind: &ClaimKind) -> Result<(&'static str, Option<&str>, i32)> {
     })
 }
 
-fn check_ttl(ttl: Duration) -> Result<()> {
-    if ttl > crate::options::MAX_TTL {
-        return Err(Error::invalid(format!(
-            "a lease TTL is at most {:?} (a year), got {ttl:?}",
-            crate::options::MAX_TTL
-        )));
-    }
-    Ok(())
+/// What a lease of `ttl` is promised for, counted from the call's start: the TTL less the
+/// drift margin between the server's clock, which ends it, and the holder's.
+fn validity(ttl: Duration) -> Duration {
+    ttl.saturating_sub(crate::backend::clock_drift(ttl))
 }
 
 /// A client error as the crate's: a server that refused the statement (a missing privilege,
@@ -615,7 +611,7 @@ impl Backend for PostgresBackend {
 
     async fn acquire(&self, claim: &Claim, attempt: Attempt, terms: NodeTerms) -> Result<Acquire> {
         claim.check_token()?;
-        check_ttl(claim.ttl)?;
+        crate::options::check_ttl(claim.ttl)?;
         self.unsupported(&claim.kind)?;
         let (kind, owner, permits) = kind_args(&claim.kind)?;
         let sent = next_sent();
@@ -659,7 +655,9 @@ impl Backend for PostgresBackend {
             Some(t) if t != claim.token.as_str() => Token::from_store(&t),
             _ => claim.token.clone(),
         };
-        let grant = Grant::new(u64::try_from(val).unwrap_or(0), claim.ttl, lease);
+        // The server ends the lease on its clock, the holder counts on its own from the
+        // call's start: the drift margin between the two, as on every store.
+        let grant = Grant::new(u64::try_from(val).unwrap_or(0), validity(claim.ttl), lease);
         Ok(Acquire::Granted(match (&claim.kind, holds) {
             (ClaimKind::Reentrant(_), Some(n)) => {
                 grant.with_hold_count(u32::try_from(n).unwrap_or(u32::MAX))
@@ -691,7 +689,7 @@ impl Backend for PostgresBackend {
             .zip(held)
             .map(|(l, h)| {
                 if h {
-                    Extended::Held(l.ttl)
+                    Extended::Held(validity(l.ttl.min(crate::options::MAX_TTL)))
                 } else {
                     Extended::Gone
                 }

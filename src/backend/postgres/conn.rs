@@ -43,7 +43,9 @@ pub(super) struct Pooled {
     pool: deadpool_postgres::Pool,
     names: Names,
     sqls: Vec<String>,
-    schema: tokio::sync::OnceCell<()>,
+    /// Whether the schema is known to be there; cleared when a statement finds it gone (a
+    /// wiped or restored database), so that the next call makes it again.
+    schema: std::sync::atomic::AtomicBool,
 }
 
 impl Commands {
@@ -63,7 +65,7 @@ impl Commands {
             pool,
             names: names.clone(),
             sqls: Stmt::ALL.iter().map(|s| names.sql(*s)).collect(),
-            schema: tokio::sync::OnceCell::new(),
+            schema: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -132,7 +134,13 @@ impl Commands {
                     client.query(&statement, params).await
                 });
                 match runtime::until(Some(deadline), ran).await {
-                    Some(r) => r.map_err(pg_error),
+                    Some(Ok(rows)) => Ok(rows),
+                    Some(Err(e)) => {
+                        if schema_gone(&e) {
+                            p.schema.store(false, std::sync::atomic::Ordering::Release);
+                        }
+                        Err(pg_error(e))
+                    }
                     None => {
                         // Out of the pool: its next user would wait behind the statement.
                         let token = client.cancel_token();
@@ -247,9 +255,13 @@ impl Pooled {
             .get()
             .await
             .map_err(|e| unavailable(format!("postgres pool: {e}")))?;
-        self.schema
-            .get_or_try_init(|| ensure_schema(&client, &self.names))
-            .await?;
+        // Made under the schema's advisory lock and only if missing: two calls that both
+        // find it unknown make it once.
+        if !self.schema.load(std::sync::atomic::Ordering::Acquire) {
+            ensure_schema(&client, &self.names).await?;
+            self.schema
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
         Ok(client)
     }
 }
