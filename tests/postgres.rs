@@ -15,7 +15,7 @@ use redlease::backend::{clock_drift, Acquire, Attempt, Backend, Claim, NodeTerms
 use redlease::{
     Error, LeaseKey, LockManager, LockOptions, PostgresBackend, PostgresOptions, Token,
 };
-use support::{within, PgServer};
+use support::{wait_for_async, within, PgServer, SOON};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -178,8 +178,13 @@ async fn a_waiter_is_woken_after_its_listener_connection_is_terminated() {
     ));
     let sub = b.subscribe(&waiter).await.unwrap();
     let woken = sub.listen();
+    // Each backend's listener connects in the background: both are up before they are cut.
+    assert!(
+        wait_for_async(SOON, || listeners(&srv).len() == 2).await,
+        "one listener per backend: {:?}",
+        listeners(&srv)
+    );
     let before = listeners(&srv);
-    assert_eq!(before.len(), 2, "one listener per backend: {before:?}");
     for pid in &before {
         srv.psql(&format!("SELECT pg_terminate_backend({pid})"));
     }
