@@ -455,6 +455,14 @@ async fn bad_input_is_refused_and_an_unreachable_server_is_an_error() {
             .unwrap_err();
         assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
     }
+    // TLS demanded of a backend whose connections are plain: named, not an unreachable server.
+    let err = PostgresBackend::connect("postgres://postgres@127.0.0.1/postgres?sslmode=require")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Unsupported(m) if m.contains("sslmode")),
+        "{err:?}"
+    );
     // Nothing listens on a port of a server that was stopped.
     let srv = PgServer::start();
     let url = srv.url();

@@ -387,6 +387,21 @@ fn kind_args(kind: &ClaimKind) -> Result<(&'static str, Option<&str>, i32)> {
     })
 }
 
+/// Refuses a configuration that demands TLS: the backend's connections are plain (`sslmode`
+/// `disable` or `prefer`, which falls back to plain), and a demand it cannot meet is named
+/// here rather than failing at connect as an unreachable server.
+fn check_tls(config: &tokio_postgres::Config) -> Result<()> {
+    use tokio_postgres::config::SslMode;
+    if matches!(config.get_ssl_mode(), SslMode::Disable | SslMode::Prefer) {
+        return Ok(());
+    }
+    Err(Error::Unsupported(format!(
+        "PostgresBackend connects without TLS, so sslmode={:?} cannot be served: use \
+         sslmode=disable or prefer (behind a TLS-terminating proxy if the network needs it)",
+        format!("{:?}", config.get_ssl_mode()).to_lowercase()
+    )))
+}
+
 /// What a lease of `ttl` is promised for, counted from the call's start: the TTL less the
 /// drift margin between the server's clock, which ends it, and the holder's.
 fn validity(ttl: Duration) -> Duration {
@@ -488,6 +503,7 @@ impl PostgresBackend {
         options: PostgresOptions,
     ) -> Result<Self> {
         options.check()?;
+        check_tls(&config)?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(options.connect_timeout);
         }
@@ -513,6 +529,7 @@ impl PostgresBackend {
         options: PostgresOptions,
     ) -> Result<Self> {
         options.check()?;
+        check_tls(&listener)?;
         if listener.get_connect_timeout().is_none() {
             listener.connect_timeout(options.connect_timeout);
         }
