@@ -35,6 +35,35 @@ pub enum Lib {
     RedleaseAcked,
     /// The floor with `WAIT 1` after the SET, on the key's primary (W7 only).
     FredRawAcked,
+    /// redlease on PostgreSQL (`PostgresBackend`), explicit release.
+    RedleasePostgres,
+    /// redlease on PostgreSQL, a fair lock, explicit release (W3 only).
+    RedleasePostgresFair,
+    /// redlease on etcd (`EtcdBackend`), explicit release.
+    RedleaseEtcd,
+    /// redlease on etcd, a fair lock, explicit release (W3 only).
+    RedleaseEtcdFair,
+}
+
+/// The server a row's locks live on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    Redis,
+    Postgres,
+    Etcd,
+}
+
+impl Store {
+    pub const ALL: [Store; 3] = [Store::Redis, Store::Postgres, Store::Etcd];
+
+    /// As `--stores` spells it.
+    pub fn arg(self) -> &'static str {
+        match self {
+            Store::Redis => "redis",
+            Store::Postgres => "postgres",
+            Store::Etcd => "etcd",
+        }
+    }
 }
 
 impl Lib {
@@ -50,8 +79,34 @@ impl Lib {
             Lib::Rslock => "rslock 0.10",
             Lib::RedleaseAcked => "redlease, 1 replica acknowledges (explicit release)",
             Lib::FredRawAcked => "raw floor: fred SET NX PX + WAIT 1 + script",
+            Lib::RedleasePostgres => "redlease on PostgreSQL (explicit release)",
+            Lib::RedleasePostgresFair => "redlease fair on PostgreSQL (explicit release)",
+            Lib::RedleaseEtcd => "redlease on etcd (explicit release)",
+            Lib::RedleaseEtcdFair => "redlease fair on etcd (explicit release)",
         }
     }
+
+    pub fn store(self) -> Store {
+        match self {
+            Lib::RedleasePostgres | Lib::RedleasePostgresFair => Store::Postgres,
+            Lib::RedleaseEtcd | Lib::RedleaseEtcdFair => Store::Etcd,
+            _ => Store::Redis,
+        }
+    }
+
+    fn fair(self) -> bool {
+        matches!(
+            self,
+            Lib::RedleaseFair | Lib::RedleasePostgresFair | Lib::RedleaseEtcdFair
+        )
+    }
+}
+
+/// Where the other stores' servers listen, for the rows on them (`None`: left out).
+#[derive(Clone, Default)]
+pub struct StoreUrls {
+    pub postgres: Option<String>,
+    pub etcd: Option<String>,
 }
 
 /// One set of clients (one connection each) on the same nodes.
@@ -64,11 +119,14 @@ pub struct Clients {
     script: Script,
     redis_rs: MultiplexedConnection,
     rslock: rslock::LockManager,
+    /// redlease on PostgreSQL and on etcd, with the backends' default options.
+    postgres: Option<redlease::LockManager>,
+    etcd: Option<redlease::LockManager>,
 }
 
 impl Clients {
-    /// Clients of the single node at `url`.
-    pub async fn connect(url: &str) -> Clients {
+    /// Clients of the single Redis node at `url`, and lock managers on the other stores.
+    pub async fn connect(url: &str, stores: &StoreUrls) -> Clients {
         let (redlease, fred, script) = redlease_and_fred(url).await;
         let options = redlease::RedisOptions::new().transport(redlease::Transport::RedisRs);
         let backend = redlease::RedisBackend::connect_with(url, options)
@@ -83,6 +141,24 @@ impl Clients {
             .await
             .expect("redis-rs connects");
         let rslock = rslock::LockManager::new(vec![url.to_string()]);
+        let postgres = match &stores.postgres {
+            Some(url) => {
+                let backend = redlease::PostgresBackend::connect(url)
+                    .await
+                    .expect("redlease connects to PostgreSQL");
+                Some(manager(backend))
+            }
+            None => None,
+        };
+        let etcd = match &stores.etcd {
+            Some(url) => {
+                let backend = redlease::EtcdBackend::connect(url)
+                    .await
+                    .expect("redlease connects to etcd");
+                Some(manager(backend))
+            }
+            None => None,
+        };
         Clients {
             redlease,
             redlease_redis_rs,
@@ -90,7 +166,19 @@ impl Clients {
             script,
             redis_rs,
             rslock,
+            postgres,
+            etcd,
         }
+    }
+
+    /// The lock manager of a row on PostgreSQL or etcd.
+    fn store_manager(&self, lib: Lib) -> &redlease::LockManager {
+        let manager = match lib.store() {
+            Store::Postgres => self.postgres.as_ref(),
+            Store::Etcd => self.etcd.as_ref(),
+            Store::Redis => unreachable!("{} runs on Redis", lib.name()),
+        };
+        manager.unwrap_or_else(|| panic!("{}: its store was left out", lib.name()))
     }
 
     /// One acquire + release of `key`, not waiting (the key is expected to be free). With
@@ -136,6 +224,12 @@ impl Clients {
             Lib::RedleaseAcked | Lib::FredRawAcked => {
                 panic!("{} runs on a cluster with replicas (W7) only", lib.name())
             }
+            Lib::RedleasePostgres
+            | Lib::RedleasePostgresFair
+            | Lib::RedleaseEtcd
+            | Lib::RedleaseEtcdFair => {
+                redlease_cycle(self.store_manager(lib), lib, key, wait).await;
+            }
         }
     }
 
@@ -174,6 +268,24 @@ impl Clients {
                 unreachable!("the raw floors do not wait")
             }
             Lib::RedleaseAcked => unreachable!("W7 only: it does not wait"),
+            Lib::RedleasePostgres | Lib::RedleaseEtcd => Held::Redlease(
+                self.store_manager(lib)
+                    .lock(key)
+                    .acquire()
+                    .await
+                    .expect("acquire"),
+                lib,
+            ),
+            Lib::RedleasePostgresFair | Lib::RedleaseEtcdFair => Held::Redlease(
+                self.store_manager(lib)
+                    .lock(key)
+                    .fair()
+                    .expect("the store serves fair locks")
+                    .acquire()
+                    .await
+                    .expect("acquire"),
+                lib,
+            ),
         }
     }
 }
@@ -200,6 +312,12 @@ impl Held {
             Held::Rslock(g) => g.release().await,
         }
     }
+}
+
+/// A lock manager on `backend` with the benchmark's TTL.
+fn manager(backend: impl redlease::backend::Backend) -> redlease::LockManager {
+    redlease::LockManager::with_options(backend, redlease::LockOptions::new().ttl(TTL))
+        .expect("options")
 }
 
 fn token() -> String {
@@ -291,8 +409,8 @@ async fn redlease_and_fred(url: &str) -> (redlease::LockManager, fred::clients::
 /// `wait`, the acquire waits for the lock, else the key is expected to be free.
 async fn redlease_cycle(locks: &redlease::LockManager, lib: Lib, key: &str, wait: bool) {
     let lock = locks.lock(key);
-    let lock = if lib == Lib::RedleaseFair {
-        lock.fair().expect("Redis serves fair locks")
+    let lock = if lib.fair() {
+        lock.fair().expect("the store serves fair locks")
     } else {
         lock
     };

@@ -6,6 +6,9 @@
 //! cargo run --release -p redlease-bench -- --quick # every workload once, in under 2 minutes
 //! ```
 //!
+//! W1–W3 also run redlease on PostgreSQL and on etcd (`PostgresBackend`, `EtcdBackend`), on
+//! servers started the way the tests start them; `--stores redis` leaves them out.
+//!
 //! See bench/README.md for the workloads and how to read the tables.
 #![allow(dead_code)] // the shared server harness has more than the benchmark uses
 
@@ -18,8 +21,10 @@ mod workloads;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use harness::etcd::EtcdServer;
+use harness::postgres::PgServer;
 use harness::server;
-use libs::{Clients, Lib};
+use libs::{Clients, Lib, Store, StoreUrls};
 use server::RedisServer;
 use stats::{fmt_spread, ms, spread};
 
@@ -30,6 +35,9 @@ struct Plan {
     /// `--lib drop`: in W1 and W2, run only the rows whose name contains this (to profile one
     /// row under perf; the ratios of the rows left out read 0 or inf).
     lib: Option<String>,
+    /// `--stores redis,postgres`: the stores whose rows W1–W3 run (Redis's always run: the
+    /// other rows' ratios are to them). Default: all three.
+    stores: Vec<Store>,
     repeats: usize,
     dur: Duration,
     w3_quota: u64,
@@ -42,6 +50,11 @@ struct Plan {
 impl Plan {
     fn runs(&self, w: &str) -> bool {
         self.only.as_ref().is_none_or(|o| o.iter().any(|x| x == w))
+    }
+
+    /// Whether W1–W3 run `store`'s rows.
+    fn on(&self, store: Store) -> bool {
+        self.stores.contains(&store) && ["W1", "W2", "W3"].iter().any(|w| self.runs(w))
     }
 
     fn from_args() -> Plan {
@@ -57,6 +70,24 @@ impl Plan {
             .position(|a| a == "--lib")
             .and_then(|i| args.get(i + 1))
             .cloned();
+        let stores = match args.iter().position(|a| a == "--stores") {
+            None => Store::ALL.to_vec(),
+            Some(i) => {
+                let list = args.get(i + 1).map_or("", String::as_str);
+                let mut stores = vec![Store::Redis];
+                for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                    match Store::ALL.iter().find(|s| s.arg() == name) {
+                        Some(s) if !stores.contains(s) => stores.push(*s),
+                        Some(_) => {}
+                        None => {
+                            eprintln!("--stores: unknown store {name:?} (redis, postgres, etcd)");
+                            std::process::exit(2);
+                        }
+                    }
+                }
+                stores
+            }
+        };
         let out = args
             .iter()
             .position(|a| a == "--out")
@@ -75,6 +106,7 @@ impl Plan {
                 quick,
                 only,
                 lib: lib.clone(),
+                stores,
                 repeats: 1,
                 dur: Duration::from_millis(1500),
                 w3_quota: 60,
@@ -88,6 +120,7 @@ impl Plan {
                 quick,
                 only,
                 lib,
+                stores,
                 repeats: 5,
                 dur: Duration::from_secs(3),
                 w3_quota: 200,
@@ -100,7 +133,7 @@ impl Plan {
     }
 }
 
-fn machine() -> String {
+fn machine(plan: &Plan) -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -119,11 +152,19 @@ fn machine() -> String {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
             .unwrap_or_default()
     };
+    let mut servers = cmd("redis-server", "--version");
+    if plan.on(Store::Postgres) {
+        servers.push_str("; ");
+        servers.push_str(&cmd(PG_BIN, "--version"));
+    }
+    if plan.on(Store::Etcd) {
+        servers.push_str("; ");
+        servers.push_str(cmd(ETCD_BIN, "--version").lines().next().unwrap_or(""));
+    }
     format!(
-        "- machine: {cores} cores, {cpu}; load average at start: {}\n- {}; {}\n- crates: redlease {}, fred 10.1, redis-rs 1.x, rslock 0.10.0; `--release`\n",
+        "- machine: {cores} cores, {cpu}; load average at start: {}\n- {}; {servers}\n- crates: redlease {}, fred 10.1, redis-rs 1.x, rslock 0.10.0; `--release`\n",
         load.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
         cmd("rustc", "--version"),
-        cmd("redis-server", "--version"),
         env!("CARGO_PKG_VERSION").replace("0.0.0", "0.1.0"),
     )
 }
@@ -163,7 +204,7 @@ async fn main() {
     writeln!(
         md,
         "{}- run: {} ({} repeats, interleaved; medians with min–max)\n",
-        machine(),
+        machine(&plan),
         if plan.quick { "--quick" } else { "full" },
         plan.repeats
     )
@@ -180,10 +221,37 @@ async fn main() {
     };
     let node = RedisServer::start();
     let url = node.url();
-    let clients = Clients::connect(&url).await;
+    // The other stores of W1–W3, each server found in /proc for its CPU.
+    let pg = plan.on(Store::Postgres).then(|| {
+        need(PG_BIN, "PostgreSQL 15", "postgresql", "postgres");
+        let srv = PgServer::start();
+        let pid = harness::find_process(PG_BIN, &srv.port().to_string())
+            .expect("the postmaster's process");
+        (srv, pid)
+    });
+    let etcd = plan.on(Store::Etcd).then(|| {
+        need(ETCD_BIN, "etcd", "etcd-server", "etcd");
+        let srv = EtcdServer::start();
+        let pid = harness::find_process(ETCD_BIN, &srv.url()).expect("the etcd server's process");
+        (srv, pid)
+    });
+    let stores = StoreUrls {
+        postgres: pg.as_ref().map(|(s, _)| s.url()),
+        etcd: etcd.as_ref().map(|(s, _)| s.url()),
+    };
+    // CPU seconds of the server `lib` runs on.
+    let server_cpu = |lib: Lib| -> f64 {
+        match (lib.store(), &pg, &etcd) {
+            (Store::Postgres, Some((_, pid)), _) | (Store::Etcd, _, Some((_, pid))) => {
+                harness::process_tree_cpu(*pid)
+            }
+            _ => workloads::redis_cpu(&node),
+        }
+    };
+    let clients = Clients::connect(&url, &stores).await;
     let groups: Vec<Clients> =
-        futures::future::join_all((0..4).map(|_| Clients::connect(&url))).await;
-    let single = [
+        futures::future::join_all((0..4).map(|_| Clients::connect(&url, &stores))).await;
+    let single: Vec<Lib> = [
         Lib::Redlease,
         Lib::RedleaseDrop,
         Lib::RedleaseRedisRs,
@@ -191,7 +259,12 @@ async fn main() {
         Lib::FredRaw,
         Lib::RedisRsRaw,
         Lib::Rslock,
-    ];
+        Lib::RedleasePostgres,
+        Lib::RedleaseEtcd,
+    ]
+    .into_iter()
+    .filter(|l| plan.stores.contains(&l.store()))
+    .collect();
     let at = |lib: Lib| single.iter().position(|l| *l == lib).expect("a W1/W2 row");
 
     // W1 and W2, interleaved: each repeat runs every library once, in a rotated order.
@@ -235,7 +308,7 @@ async fn main() {
                 {
                     continue;
                 }
-                let cpu0 = workloads::redis_cpu(&node);
+                let cpu0 = server_cpu(single[i]);
                 let client0 = stats::process_cpu();
                 let v = if tasks == 1 {
                     workloads::w1(&clients, single[i], plan.dur, same).await
@@ -244,13 +317,13 @@ async fn main() {
                 };
                 let cycles = v * plan.dur.as_secs_f64();
                 client_us[i].push((stats::process_cpu() - client0) * 1e6 / cycles.max(1.0));
-                redis_us[i].push((workloads::redis_cpu(&node) - cpu0) * 1e6 / cycles.max(1.0));
+                redis_us[i].push((server_cpu(single[i]) - cpu0) * 1e6 / cycles.max(1.0));
                 results[i].push(v);
             }
         }
         let floor = spread(&results[at(Lib::FredRaw)]).0;
         let rslock = spread(&results[at(Lib::Rslock)]).0;
-        writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock | Redis CPU per cycle | client CPU per cycle |\n|---|---|---|---|---|---|").unwrap();
+        writeln!(md, "## {name}\n\n| library | cycles/s | vs fred floor | vs rslock | server CPU per cycle | client CPU per cycle |\n|---|---|---|---|---|---|").unwrap();
         for (i, lib) in single.iter().enumerate() {
             let m = spread(&results[i]).0;
             writeln!(
@@ -265,21 +338,50 @@ async fn main() {
             )
             .unwrap();
         }
+        let on_redis = spread(&results[at(Lib::Redlease)]).0;
+        let others: Vec<String> = [Lib::RedleasePostgres, Lib::RedleaseEtcd]
+            .iter()
+            .filter(|l| single.contains(l))
+            .map(|l| {
+                let m = spread(&results[at(*l)]).0;
+                format!("{} {:.2}×", l.store().arg(), m / on_redis)
+            })
+            .collect();
+        if !others.is_empty() {
+            writeln!(
+                md,
+                "\nredlease (explicit release) on another store / on Redis: {}",
+                others.join(", ")
+            )
+            .unwrap();
+        }
         writeln!(md).unwrap();
     }
 
     // W3: one key, 16 tasks in 4 client groups (as 4 processes), hold 1 ms.
     if plan.runs("W3") {
         eprintln!("W3");
-        let contenders = [Lib::Redlease, Lib::RedleaseFair, Lib::Rslock];
+        // Redis's three rows first: the summary below reads them by index.
+        let contenders: Vec<Lib> = [
+            Lib::Redlease,
+            Lib::RedleaseFair,
+            Lib::Rslock,
+            Lib::RedleasePostgres,
+            Lib::RedleasePostgresFair,
+            Lib::RedleaseEtcd,
+            Lib::RedleaseEtcdFair,
+        ]
+        .into_iter()
+        .filter(|l| plan.stores.contains(&l.store()))
+        .collect();
         let n = contenders.len();
         let mut w3: Vec<Vec<workloads::Contended>> = (0..n).map(|_| Vec::new()).collect();
         for r in 0..plan.repeats {
             for k in 0..n {
                 let i = (k + r) % n;
-                w3[i].push(
-                    workloads::w3(&groups, contenders[i], &node, plan.w3_quota, plan.w3_cap).await,
-                );
+                let lib = contenders[i];
+                let cpu = || server_cpu(lib);
+                w3[i].push(workloads::w3(&groups, lib, &cpu, plan.w3_quota, plan.w3_cap).await);
             }
         }
         writeln!(
@@ -287,7 +389,7 @@ async fn main() {
             "## W3: 16 tasks, one key, hold 1 ms (4 clients × 4 tasks)\n"
         )
         .unwrap();
-        writeln!(md, "| library | acq/s | hand-off gap p50 / p99 | wait p50 / p99 / max | hold p50 | fairness max/min at first finish | same-task re-acquire | Redis CPU per acq | violations |\n|---|---|---|---|---|---|---|---|---|").unwrap();
+        writeln!(md, "| library | acq/s | hand-off gap p50 / p99 | wait p50 / p99 / max | hold p50 | fairness max/min at first finish | same-task re-acquire | server CPU per acq | violations |\n|---|---|---|---|---|---|---|---|---|").unwrap();
         let mut p99s = Vec::new();
         let mut tputs = Vec::new();
         for (i, lib) in contenders.iter().enumerate() {
@@ -331,6 +433,25 @@ async fn main() {
             tputs[1] / tputs[0].max(1e-9)
         )
         .unwrap();
+        // The other stores against redlease on Redis, plain against plain, fair against fair.
+        for (i, lib) in contenders.iter().enumerate().skip(3) {
+            let base = if matches!(lib, Lib::RedleasePostgresFair | Lib::RedleaseEtcdFair) {
+                1
+            } else {
+                0
+            };
+            writeln!(
+                md,
+                "- {} against the same on Redis: throughput {:.2}×, wait p99 {:.1}×",
+                lib.name().replace(" (explicit release)", ""),
+                tputs[i] / tputs[base].max(1e-9),
+                p99s[i].as_secs_f64() / p99s[base].as_secs_f64().max(1e-9)
+            )
+            .unwrap();
+        }
+        if contenders.len() > 3 {
+            writeln!(md).unwrap();
+        }
     }
 
     // W4: Redlock over 3 and 5 nodes, redlease beside rslock, interleaved; then with one
@@ -759,6 +880,26 @@ async fn main() {
     }
     std::fs::write(&plan.out, &md).expect("write results");
     eprintln!("wrote {}", plan.out.display());
+}
+
+/// Where the tests' harness finds the servers (tests/support/postgres.rs and etcd.rs).
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin/postgres";
+const ETCD_BIN: &str = "/usr/bin/etcd";
+
+/// Exits with a message naming the package if `path` is missing.
+fn need(path: &str, what: &str, package: &str, store: &str) {
+    if !std::path::Path::new(path).exists() {
+        eprintln!(
+            "{path} is missing: the {what} rows of W1–W3 need it (Debian: apt-get install -y \
+             {package}); or leave them out: --stores redis,{}",
+            if store == "postgres" {
+                "etcd"
+            } else {
+                "postgres"
+            }
+        );
+        std::process::exit(2);
+    }
 }
 
 /// The first heading of the results file's sections that this program does not write (and

@@ -138,16 +138,18 @@ pub struct Contended {
     /// max/min acquisitions per task when the first task reached its quota.
     pub fairness: (u64, u64),
     pub same_task_share: f64,
+    /// CPU of the store's server (Redis, or PostgreSQL's or etcd's processes).
     pub redis_cpu_us_per_acq: f64,
     pub violations: usize,
 }
 
 /// W3: 16 tasks on one key, each holding 1 ms, until the first task reaches `quota` or
-/// `cap` passes. `clients` are one set per task group (4 groups, like 4 processes).
+/// `cap` passes. `clients` are one set per task group (4 groups, like 4 processes);
+/// `server_cpu` reads the CPU seconds of the server `lib` runs on.
 pub async fn w3(
     groups: &[Clients],
     lib: Lib,
-    srv: &RedisServer,
+    server_cpu: &(dyn Fn() -> f64 + Sync),
     quota: u64,
     cap: Duration,
 ) -> Contended {
@@ -164,7 +166,7 @@ pub async fn w3(
     let holds = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let snapshot = Arc::new(Mutex::new(None::<(u64, u64)>));
-    let cpu_before = redis_cpu(srv);
+    let cpu_before = server_cpu();
     let began = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
         .map(|me| {
@@ -237,7 +239,7 @@ pub async fn w3(
     }
     let elapsed = began.elapsed();
     let total: u64 = counts.iter().map(|c| c.load(Ordering::SeqCst)).sum();
-    let cpu = redis_cpu(srv) - cpu_before;
+    let cpu = server_cpu() - cpu_before;
     let mut waits = std::mem::take(&mut *waits.lock().unwrap());
     let mut gaps = std::mem::take(&mut *gaps.lock().unwrap());
     let mut holds = std::mem::take(&mut *holds.lock().unwrap());
